@@ -1,0 +1,51 @@
+"""Exit codes, environment names and defaults: the contract, defined once."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    REFUSED = 1
+    USAGE = 64
+    SOFTWARE = 70
+    CANTCREAT = 73
+    IOERR = 74
+    BUSY = 75
+    NOPERM = 77
+    LEASE_LOST = 124
+    NOEXEC = 126
+    NOTFOUND = 127
+
+
+ENV_LOCK: Final = "PEARING_LOCK"
+ENV_REPO: Final = "PEARING_REPO"
+ENV_TICKET: Final = "PEARING_TICKET"
+ENV_FENCE: Final = "PEARING_FENCE"
+ENV_TOKEN: Final = "PEARING_TOKEN"
+ENV_TOKEN_FILE: Final = "PEARING_TOKEN_FILE"
+ENV_LOCK_DIR: Final = "PEARING_LOCK_DIR"
+ENV_PROMOTED: Final = "PEARING_PROMOTED"
+ENV_IDENTITY: Final = "PEARING_IDENTITY"
+ENV_BACKEND: Final = "PEARING_BACKEND"
+# Test-only fault injection: "POINT" or "POINT,POINT"; see singleflight/_fault.py.
+ENV_FAULT: Final = "PEARING_FAULT"
+
+DEFAULT_SCOPE: Final = "default"
+DEFAULT_LEASE_SECONDS: Final = 60.0
+DEFAULT_KILL_GRACE: Final = 10.0
+DEFAULT_DEDUPE_WINDOW: Final = 24 * 3600.0
+DEFAULT_GUARD_MAX_SECONDS: Final = 60.0
+ROOT_LOCK_DIR: Final = "/var/lib/pearing"
+# Ended tickets stay readable (get-lock-ticket, idempotent release) this long.
+ENDED_TICKET_RETENTION: Final = 3600.0
+
+# Ticket states, as SPEC.md names them.
+WAITING: Final = "waiting"
+HELD: Final = "held"
+RELEASED: Final = "released"
+EXPIRED: Final = "expired"
+CANCELLED: Final = "cancelled"
+LIVE_STATES: Final = frozenset({WAITING, HELD})

@@ -1,0 +1,20 @@
+"""Test-only fault injection: die with SIGKILL at a named step.
+
+Off unless ``PEARING_FAULT`` names points (comma-separated), e.g.
+``PEARING_FAULT=after-fence-bump``. The reliability suite uses it to prove that
+a kill at any step never leaves a lock held forever, two holders at once, or a
+fence reused. Points: after-flock, after-fence-bump, after-token-file,
+after-holder-spawn, mid-release, mid-promotion, mid-ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_ARMED = frozenset(filter(None, os.environ.get("PEARING_FAULT", "").split(",")))
+
+
+def point(name: str) -> None:
+    if name in _ARMED:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,1 @@
+"""Front ends: they parse, call one core function, and map errors to exit codes."""

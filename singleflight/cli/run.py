@@ -1,0 +1,93 @@
+"""pearing-run: the cron / systemd wrapper. Parse, run, map errors to exit codes."""
+
+from __future__ import annotations
+
+import sys
+
+from singleflight import __version__, identity, names
+from singleflight._const import DEFAULT_DEDUPE_WINDOW, DEFAULT_KILL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE
+from singleflight._log import Log
+from singleflight.cli._argv import Option, parse, usage
+from singleflight.errors import BadValue, PearingError, UsageError
+from singleflight.runner import RunOptions, run
+from singleflight.store import resolve_lock_dir
+
+PROG = "pearing-run"
+SYNOPSIS = "--job NAME [options] -- COMMAND [ARG...]"
+OPTIONS = [
+    Option("--job", dest="job", metavar="NAME", help="lock name, e.g. checkin or thread-work.42 (required)"),
+    Option("--repo", dest="repo", metavar="SCOPE", help=f"scope of the lock name (default {DEFAULT_SCOPE})"),
+    Option("--lease-seconds", dest="lease", metavar="S", help="lease length (default 60)"),
+    Option("--wait-seconds", dest="wait", metavar="S", help="wait in FIFO order up to S s when busy (default 0)"),
+    Option("--heartbeat", dest="heartbeat", metavar="auto|manual", help="who renews the lease (default auto)"),
+    Option("--max-runtime", dest="max_runtime", metavar="S", help="stop COMMAND after S s whatever the lease"),
+    Option("--kill-grace", dest="kill_grace", metavar="S", help="SIGTERM to SIGKILL delay (default 10)"),
+    Option("--request-uuid", dest="request_uuid", metavar="UUID", help="idempotency key: replays run once"),
+    Option("--dedupe-window", dest="dedupe_window", metavar="S", help="how long a success is remembered (86400)"),
+    Option("--skip-if", dest="skip_if", metavar="CMD", help="after acquiring: exit 0 of CMD means already done"),
+    Option("--busy-exit-code", dest="busy_code", metavar="N", help="exit code when busy (default 75)"),
+    Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY or user@host)"),
+    Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR or per user)"),
+    Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
+    Option("--version", dest="version", flag=True, help="print the version and exit"),
+    Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
+]
+
+
+def _opt_str(values: dict[str, object], key: str) -> str | None:
+    v = values.get(key)
+    return None if v is None else str(v)
+
+
+def build_options(argv: list[str]) -> RunOptions:
+    values, command = parse(argv, OPTIONS, positional=False)
+    if values.get("help"):
+        sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS))
+        raise SystemExit(0)
+    if values.get("version"):
+        sys.stdout.write(f"{PROG} {__version__}\n")
+        raise SystemExit(0)
+    job = _opt_str(values, "job")
+    if job is None:
+        raise UsageError("--job NAME is required")
+    if not command:
+        raise UsageError("no COMMAND given (put it after --)")
+    heartbeat = _opt_str(values, "heartbeat") or "auto"
+    if heartbeat not in ("auto", "manual"):
+        raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
+    max_runtime = _opt_str(values, "max_runtime")
+    request_uuid = _opt_str(values, "request_uuid")
+    return RunOptions(
+        job=names.lock_name(job, "--job"),
+        repo=names.scope(_opt_str(values, "repo") or DEFAULT_SCOPE),
+        lease_seconds=names.seconds(
+            _opt_str(values, "lease") or DEFAULT_LEASE_SECONDS, "--lease-seconds", allow_zero=False
+        ),
+        wait_seconds=names.seconds(_opt_str(values, "wait") or 0, "--wait-seconds"),
+        heartbeat_auto=heartbeat == "auto",
+        max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),
+        kill_grace=names.seconds(_opt_str(values, "kill_grace") or DEFAULT_KILL_GRACE, "--kill-grace"),
+        request_uuid=None if request_uuid is None else names.request_uuid(request_uuid),
+        dedupe_window=names.seconds(_opt_str(values, "dedupe_window") or DEFAULT_DEDUPE_WINDOW, "--dedupe-window"),
+        skip_if=_opt_str(values, "skip_if"),
+        busy_exit_code=names.exit_status(_opt_str(values, "busy_code") or 75),
+        identity=identity.resolve(_opt_str(values, "identity")),
+        lock_dir=resolve_lock_dir(_opt_str(values, "lock_dir")),
+        verbose=bool(values.get("verbose")),
+        command=command,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    log = Log(PROG)
+    try:
+        return run(build_options(sys.argv[1:] if argv is None else argv))
+    except PearingError as exc:
+        log.error(str(exc))
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Few exceptions, each carrying data; ``str()`` is the one line the user sees."""
+
+from __future__ import annotations
+
+from singleflight._const import ExitCode
+
+
+class PearingError(Exception):
+    exit_code: ExitCode = ExitCode.SOFTWARE
+
+
+class InternalError(PearingError):
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"internal error (a bug, please report it): {detail}")
+
+
+class BadValue(PearingError):
+    """A flag, name, scope, uuid, number or path that breaks its rule."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, what: str, value: object, rule: str) -> None:
+        self.what, self.value, self.rule = what, value, rule
+        super().__init__(f"bad {what} {value!r}: {rule}")
+
+
+class UsageError(PearingError):
+    exit_code = ExitCode.USAGE
+
+
+class LockBusy(PearingError):
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, lock: str, detail: str = "held by another run") -> None:
+        self.lock = lock
+        super().__init__(f"lock {lock!r} is busy: {detail}")
+
+
+class LockDirError(PearingError):
+    """The lock dir (or a file in it) cannot be created or written."""
+
+    exit_code = ExitCode.CANTCREAT
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {detail}")
+
+
+class NotPermitted(PearingError):
+    """A hostile or mis-permissioned lock dir, or a symlink planted in it."""
+
+    exit_code = ExitCode.NOPERM
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {detail}")
+
+
+class CorruptRecord(PearingError):
+    exit_code = ExitCode.IOERR
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"corrupt record {path}: {detail} (fix or remove it by hand; it is never reset)")
+
+
+class NotHeld(PearingError):
+    """Heartbeat, release or verify of a ticket whose owner must stop."""
+
+    exit_code = ExitCode.REFUSED
+
+    def __init__(self, ticket_id: str, reason: str) -> None:
+        self.ticket_id, self.reason = ticket_id, reason
+        super().__init__(f"ticket {ticket_id}: {reason}")
+
+
+class UnknownTicket(NotHeld):
+    def __init__(self, ticket_id: str) -> None:
+        super().__init__(ticket_id, "unknown ticket")
+
+
+class StaleFence(PearingError):
+    exit_code = ExitCode.REFUSED
+
+    def __init__(self, resource: str, fence: int, highest: int) -> None:
+        self.resource, self.fence, self.highest = resource, fence, highest
+        super().__init__(f"stale fence {fence} < {highest} for {resource!r}")

@@ -1,0 +1,157 @@
+"""Ticket transitions that must happen under the lock's mutex: where a fence
+gets bumped, a token minted, a lease renewed or ended.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from singleflight import _fault, _proc
+from singleflight._const import EXPIRED, HELD, RELEASED, WAITING
+from singleflight.errors import NotHeld, UnknownTicket
+from singleflight.store import LockStore
+from singleflight.ticket import Ticket
+
+
+def mint_token() -> str:
+    """The run's secret: 256 random bits. Only its holder learns it."""
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@contextmanager
+def guard_exclusive(store: LockStore) -> Iterator[None]:
+    """Wait for in-flight ``pearing-guard exec`` commands before ending a lease."""
+    fd = store.open_lock_file("guard.lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def sweep_dead_holders(store: LockStore) -> None:
+    """Mark tickets whose holder died (kill -9) expired. Caller holds the flock and mutex.
+
+    Holding the flock proves their holders are gone: the kernel frees it only then.
+    """
+    now = time.time()
+    for t in store.tickets():
+        if t.state == HELD:
+            t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", now
+            store.write_ticket(t)
+        elif t.state == WAITING and not _proc.alive(t.holder_pid, t.holder_start):
+            t.state, t.end_reason, t.ended_at = "cancelled", "waiter gone", now
+            store.write_ticket(t)
+
+
+def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
+    """Turn ``ticket`` into the held one; returns the token. Caller owns the flock."""
+    _fault.point("after-flock")
+    with store.mutex():
+        sweep_dead_holders(store)
+        fence = store.bump_fence()
+        token = mint_token()
+        now = time.time()
+        ticket.state = HELD
+        ticket.fence = fence
+        ticket.token_hash = token_hash(token)
+        ticket.holder_pid = os.getpid()
+        ticket.holder_start = _proc.start_time(os.getpid())
+        ticket.boot_id = _proc.boot_id()
+        ticket.acquired_at = now
+        ticket.promoted = promoted
+        ticket.queue_seq = None
+        ticket.set_lease(ticket.lease_seconds)
+        store.write_ticket(ticket)
+    store.write_token_file(ticket, token)
+    _fault.point("after-token-file")
+    return token
+
+
+def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
+    """Extend a held (or waiting) ticket's lease by ``seconds`` from now.
+
+    Refused once the monotonic deadline has passed, even if the holder has not
+    yet noticed: a lapsed lease is never revived.
+    """
+    with store.mutex():
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        check_live(store, t)
+        t.set_lease(seconds)
+        store.write_ticket(t)
+        return t
+
+
+def check_live(store: LockStore, t: Ticket) -> None:
+    """Raise NotHeld unless ``t`` is a held or waiting ticket whose lease still runs."""
+    if t.state not in (HELD, WAITING):
+        raise NotHeld(t.ticket_id, describe_end(t))
+    left = t.lease_left(time.monotonic())
+    if left is not None and left <= 0:
+        raise NotHeld(t.ticket_id, f"lease expired at {t.public()['lease_expires_at']}")
+    if not _proc.alive(t.holder_pid, t.holder_start):
+        raise NotHeld(t.ticket_id, "holder gone")
+
+
+def describe_end(t: Ticket) -> str:
+    reason = f" ({t.end_reason})" if t.end_reason else ""
+    when = t.public()["ended_at"]
+    return f"{t.state}{reason}" + (f" at {when}" if when else "")
+
+
+def end(
+    store: LockStore,
+    ticket_id: str,
+    state: str,
+    reason: str,
+    *,
+    only_if_held: bool = True,
+) -> Ticket | None:
+    """Move a ticket to a final state (released / expired / cancelled).
+
+    Takes the guard lock first, so a guarded side effect in flight completes
+    before the token stops being live and the lock can change hands.
+    Returns the ticket, or None when it had already ended.
+    """
+    with guard_exclusive(store), store.mutex():
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        if t.state not in (HELD, WAITING) or (only_if_held and t.state != HELD):
+            return None
+        t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        store.write_ticket(t)
+        return t
+
+
+def record_request(store: LockStore, request_uuid: str, ticket: Ticket, status: int | None, window: float) -> None:
+    """Remember how a request ended: success is deduplicated for ``window`` seconds."""
+    now = time.time()
+    state = "succeeded" if status == 0 else "failed"
+    store.write_request(
+        request_uuid,
+        {
+            "state": state,
+            "ticket_id": ticket.ticket_id,
+            "fence": ticket.fence,
+            "status": status,
+            "finished_at": now,
+            "expires_at": now + window,
+        },
+    )
+
+
+__all__ = ["EXPIRED", "RELEASED", "end", "renew", "take_ownership"]

@@ -1,0 +1,272 @@
+"""Where state lives: the lock dir and, per (repo, lock), its files.
+
+LOCK_DIR/                      0700, owned by the user, never group/world-writable
+  activity/IDENTITY            the identity's current activity text
+  ledger/RESOURCE              highest fence a target accepted (pearing-guard fence)
+  locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
+    lock                       the kernel flock the holder keeps; never unlinked
+    state.lock                 short mutex around read-modify-write of records
+    guard.lock                 shared by pearing-guard exec, exclusive on expiry/release
+    fence                      last fence issued, decimal, fsynced before any token
+    tickets/ID.json            ticket records (token only as a sha256)
+    tokens/ID.token            0600 JSON token file, only while held
+    queue/SEQ.ID               FIFO entries, each flocked by its live waiter
+    requests/UUID.json         request-uuid records for idempotency and dedupe
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from singleflight import _fault
+from singleflight._const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, ROOT_LOCK_DIR
+from singleflight._fs import Dir, parse_int_record
+from singleflight.errors import BadValue, CorruptRecord
+from singleflight.ticket import Ticket
+
+
+def resolve_lock_dir(flag: str | None = None) -> str:
+    value = flag if flag is not None else os.environ.get(ENV_LOCK_DIR) or None
+    if value is not None:
+        if not value or "\0" in value:
+            raise BadValue("lock dir", value, "must be a non-empty path")
+        return os.path.abspath(value)
+    if os.geteuid() == 0:
+        return ROOT_LOCK_DIR
+    # platformdirs' rule for Linux, without its import on the hot path.
+    state_home = os.environ.get("XDG_STATE_HOME", "").strip()
+    if os.path.isabs(state_home):
+        return os.path.join(state_home, "pearing")
+    if not os.path.exists("/proc"):
+        import platformdirs
+
+        return platformdirs.user_state_dir("pearing")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "pearing")
+
+
+class LockDir:
+    """The open lock dir; cheap to construct, holds one fd."""
+
+    def __init__(self, path: str, *, create: bool = True) -> None:
+        self.path = path
+        self.root = Dir.open_root(path, create=create)
+
+    def close(self) -> None:
+        self.root.close()
+
+    def lock_store(self, repo: str, lock: str, *, create: bool = True) -> LockStore:
+        parts = ["locks", *repo.split("/"), "@" + lock]
+        return LockStore(self, repo, lock, self.root.walk(parts, create=create))
+
+    def iter_locks(self, repo: str | None = None) -> Iterator[LockStore]:
+        """Every (repo, lock) in the lock dir, or in one scope."""
+        try:
+            top = self.root.sub("locks", create=False)
+        except FileNotFoundError:
+            return
+        stack: list[tuple[Dir, list[str]]] = [(top, [])]
+        want = repo.split("/") if repo else None
+        while stack:
+            d, segs = stack.pop()
+            try:
+                for name in sorted(d.listdir(), reverse=True):
+                    if name.startswith("@"):
+                        if want is not None and segs != want:
+                            continue
+                        try:
+                            sub = d.sub(name, create=False)
+                        except FileNotFoundError:
+                            continue
+                        yield LockStore(self, "/".join(segs), name[1:], sub)
+                    elif want is None or (len(segs) < len(want) and want[len(segs)] == name):
+                        try:
+                            stack.append((d.sub(name, create=False), [*segs, name]))
+                        except FileNotFoundError:
+                            continue
+            finally:
+                d.close()
+
+    def activity_dir(self) -> Dir:
+        return self.root.sub("activity")
+
+    def read_activity(self, identity: str) -> str | None:
+        with self.activity_dir() as d:
+            data = d.read(identity)
+        if data is None:
+            return None
+        try:
+            text = json.loads(data)["activity"]
+        except (ValueError, KeyError, TypeError):
+            raise CorruptRecord(d.child_path(identity), "not an activity record") from None
+        return str(text) if text is not None else None
+
+    def write_activity(self, identity: str, text: str | None) -> None:
+        with self.activity_dir() as d:
+            if text is None:
+                d.unlink(identity)
+            else:
+                d.write_atomic(identity, json.dumps({"activity": text, "at": time.time()}).encode(), durable=False)
+
+
+class LockStore:
+    """The files of one (repo, lock)."""
+
+    def __init__(self, lock_dir: LockDir, repo: str, lock: str, d: Dir) -> None:
+        self.lock_dir, self.repo, self.lock, self.dir = lock_dir, repo, lock, d
+        self._subs: dict[str, Dir] = {}
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+        self.dir.close()
+
+    def __enter__(self) -> LockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def sub(self, name: str) -> Dir:
+        d = self._subs.get(name)
+        if d is None:
+            d = self._subs[name] = self.dir.sub(name)
+        return d
+
+    def open_lock_file(self, name: str = "lock") -> int:
+        """An fd on one of the flock files (never unlinked, so the inode is stable)."""
+        return self.dir.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextmanager
+    def mutex(self) -> Iterator[None]:
+        """Serialise read-modify-write of this lock's records (held for microseconds)."""
+        fd = self.open_lock_file("state.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- fence -------------------------------------------------------------
+
+    def read_fence(self) -> int:
+        data = self.dir.read("fence")
+        return 0 if data is None else parse_int_record(self.dir.child_path("fence"), data)
+
+    def bump_fence(self) -> int:
+        """Issue the next fence. Caller holds the lock's flock, so no one else bumps.
+
+        The new value is on disk (fsynced, renamed, dir fsynced) before it is
+        returned, so no token can ever carry a fence that a crash could reissue.
+        """
+        fence = self.read_fence() + 1
+        self.dir.write_atomic("fence", f"{fence}\n".encode(), durable=True)
+        _fault.point("after-fence-bump")
+        return fence
+
+    # -- tickets -----------------------------------------------------------
+
+    # Live tickets (waiting, held) live in tickets/, ended ones in ended/, so
+    # the acquire path only ever reads the few live records.
+
+    def read_ticket(self, ticket_id: str) -> Ticket | None:
+        name = f"{ticket_id}.json"
+        # Live first: a ticket is written to ended/ before its live record is
+        # unlinked, so one of the two reads always finds it.
+        for sub in ("tickets", "ended"):
+            data = self.sub(sub).read(name)
+            if data is not None:
+                return self._parse_ticket(sub, name, data)
+        return None
+
+    def _parse_ticket(self, sub: str, name: str, data: bytes) -> Ticket:
+        try:
+            return Ticket.from_json(data)
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(self.sub(sub).child_path(name), str(exc)) from None
+
+    def write_ticket(self, ticket: Ticket, *, durable: bool = False) -> None:
+        name = f"{ticket.ticket_id}.json"
+        if ticket.live:
+            self.sub("tickets").write_atomic(name, ticket.to_json(), durable=durable)
+        else:
+            self.sub("ended").write_atomic(name, ticket.to_json(), durable=durable)
+            self.sub("tickets").unlink(name)
+
+    def tickets(self) -> list[Ticket]:
+        """The live (waiting or held) tickets, oldest first."""
+        d = self.sub("tickets")
+        out = []
+        for name in d.listdir():
+            if name.endswith(".json") and not name.startswith("."):
+                data = d.read(name)
+                if data is not None:
+                    out.append(self._parse_ticket("tickets", name, data))
+        out.sort(key=lambda t: t.created_at or 0.0)
+        return out
+
+    def prune_ended(self, now: float, keep: float = ENDED_TICKET_RETENTION) -> int:
+        d = self.sub("ended")
+        removed = 0
+        for name in d.listdir():
+            st = d.lstat(name)
+            if st is not None and st.st_mtime < now - keep:
+                removed += d.unlink(name)
+        return removed
+
+    # -- token files ---------------------------------------------------------
+
+    def token_file_path(self, ticket_id: str) -> str:
+        return self.sub("tokens").child_path(f"{ticket_id}.token")
+
+    def write_token_file(self, ticket: Ticket, token: str) -> str:
+        body = {
+            "lock": ticket.lock_name,
+            "repo": ticket.repo,
+            "ticket": ticket.ticket_id,
+            "fence": ticket.fence,
+            "token": token,
+            "lease_expires_at": ticket.public()["lease_expires_at"],
+            "lock_dir": self.lock_dir.path,
+        }
+        self.sub("tokens").write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+        return self.token_file_path(ticket.ticket_id)
+
+    def remove_token_file(self, ticket_id: str) -> None:
+        self.sub("tokens").unlink(f"{ticket_id}.token")
+
+    # -- request records (idempotency and replay dedupe) -------------------
+
+    def read_request(self, request_uuid: str) -> dict[str, Any] | None:
+        d = self.sub("requests")
+        data = d.read(f"{request_uuid}.json")
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            raise CorruptRecord(d.child_path(f"{request_uuid}.json"), "not a request record")
+        return obj
+
+    def write_request(self, request_uuid: str, record: dict[str, Any]) -> None:
+        # Durable: a finished run's record must survive a crash, or a replay reruns it.
+        self.sub("requests").write_atomic(f"{request_uuid}.json", json.dumps(record).encode(), durable=True)
+
+    def prune_requests(self, now: float) -> int:
+        d = self.sub("requests")
+        removed = 0
+        for name in d.listdir():
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            rec = self.read_request(name[:-5])
+            if rec and rec.get("state") != "active" and float(rec.get("expires_at") or 0) < now:
+                removed += d.unlink(name)
+        return removed
