@@ -23,6 +23,10 @@ class Log:
     def error(self, message: str) -> None:
         self._write(f"{self.prog}: error: {message}")
 
+    def refused(self, reason: str) -> None:
+        """A refusal is an answer, not an error: ``PROG: refused: REASON``."""
+        self._write(f"{self.prog}: refused: {reason}")
+
     def _write(self, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))

@@ -25,12 +25,12 @@ from singleflight.store import LockStore
 _SEQ_FILE = ".seq"
 
 
-class _Alarm(Exception):
-    pass
+class Interrupted(Exception):
+    """Raised from a signal handler to break out of a blocking flock."""
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
-    raise _Alarm
+    raise Interrupted
 
 
 def flock_until(fd: int, deadline: float) -> bool:
@@ -55,7 +55,7 @@ def flock_until(fd: int, deadline: float) -> bool:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         return True
-    except _Alarm:
+    except Interrupted:
         return False
     finally:
         signal.signal(signal.SIGALRM, old)

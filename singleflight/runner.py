@@ -160,22 +160,26 @@ class Runner:
                 self.ticket.queue_seq = waiter.enqueue()
                 store.write_ticket(self.ticket)
             self.log.event("waiting", lock=o.job, position=waiter.position(), max_wait=f"{o.wait_seconds:g}s")
-            got = waiter.wait(fd, lambda: deadline)
+            # release-lock-ticket on a waiting ticket pokes us with SIGUSR1.
+            signal.signal(signal.SIGUSR1, _interrupt)
+            got = waiter.wait(fd, lambda: deadline if self._still_waiting() else 0.0)
             if got:
                 _fault.point("mid-promotion")
         finally:
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
             waiter.leave()
         self.waited = time.monotonic() - started
         if not got:
             os.close(fd)
-            self.ticket.state, self.ticket.end_reason = CANCELLED, "wait timed out"
-            self.ticket.ended_at = time.time()
-            with store.mutex():
-                store.write_ticket(self.ticket)
+            lease.end(store, self.ticket.ticket_id, CANCELLED, "wait timed out", only_if_held=False)
             self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
             return None
         self.ticket.promoted = True
         return fd
+
+    def _still_waiting(self) -> bool:
+        t = self.store.read_ticket(self.ticket.ticket_id)
+        return t is not None and t.state == WAITING
 
     def _claim_request(self, request_uuid: str) -> str:
         """'run', 'done' (succeeded within the window) or 'busy' (in flight)."""
@@ -424,6 +428,10 @@ def _request_alive(store: LockStore, rec: dict[str, object]) -> bool:
     tid = rec.get("ticket_id")
     t = store.read_ticket(tid) if isinstance(tid, str) else None
     return t is not None and t.state in (HELD, WAITING) and _proc.alive(t.holder_pid, t.holder_start)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise queue.Interrupted
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -1,0 +1,285 @@
+"""The lock operations behind pearing-cli and pearing-mcp (the seed's commands).
+
+``Backend`` is the interface a second backend (etcd) implements; ``LocalBackend``
+is the kernel-flock lock dir. Every method returns plain JSON-ready dicts: the
+ticket objects of SPEC.md.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Protocol
+
+from singleflight import _proc, lease, names, queue
+from singleflight._channel import Channel
+from singleflight._const import CANCELLED, HELD, RELEASED, WAITING
+from singleflight.errors import NotHeld, PearingError, UnknownTicket
+from singleflight.store import LockDir, LockStore
+from singleflight.ticket import Ticket, new_uuid4
+
+# How long acquire-lock waits for its agent to start and report, beyond --wait-seconds.
+_AGENT_START_SECONDS = 15.0
+
+
+class Outcome:
+    """A ticket to print and the exit code that goes with it."""
+
+    __slots__ = ("code", "reason", "ticket")
+
+    def __init__(self, ticket: dict[str, Any], code: int = 0, reason: str | None = None) -> None:
+        self.ticket, self.code, self.reason = ticket, code, reason
+
+
+class Backend(Protocol):
+    def acquire(
+        self, lock: str, repo: str, *, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
+    ) -> Outcome: ...
+    def get(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]: ...
+    def heartbeat(self, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]: ...
+    def release(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]: ...
+    def update_activity(self, identity: str, activity: str | None) -> dict[str, Any]: ...
+    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]: ...
+
+
+class LocalBackend:
+    def __init__(self, lock_dir: str) -> None:
+        self.lock_dir_path = lock_dir
+        self.dir = LockDir(lock_dir)
+
+    def _store(self, lock: str, repo: str, *, create: bool = True) -> LockStore:
+        names.lock_name(lock)
+        names.scope(repo)
+        try:
+            return self.dir.lock_store(repo, lock, create=create)
+        except FileNotFoundError:
+            raise NotHeld("-", f"no lock {lock!r} in scope {repo!r}") from None
+
+    # -- views -------------------------------------------------------------
+
+    def view(self, store: LockStore, t: Ticket) -> dict[str, Any]:
+        position = None
+        if t.state == WAITING:
+            live = queue.live_entries(store)
+            mine = [i for i, n in enumerate(live) if n.endswith("." + t.ticket_id)]
+            position = mine[0] + 1 if mine else None
+        token_file = None
+        if t.state == HELD:
+            path = store.token_file_path(t.ticket_id)
+            token_file = path if store.sub("tokens").lstat(f"{t.ticket_id}.token") else None
+        return t.public(activity=self.dir.read_activity(t.identity), queue_position=position, token_file=token_file)
+
+    # -- operations ----------------------------------------------------------
+
+    def acquire(
+        self, lock: str, repo: str, *, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
+    ) -> Outcome:
+        request_uuid = names.request_uuid(request_uuid)
+        store = self._store(lock, repo)
+        with store.mutex():
+            rec = store.read_request(request_uuid)
+            existing = store.read_ticket(str(rec["ticket_id"])) if rec and rec.get("ticket_id") else None
+            if existing is None:
+                t = Ticket(
+                    ticket_id=new_uuid4(),
+                    request_uuid=request_uuid,
+                    lock_name=lock,
+                    repo=repo,
+                    identity=identity,
+                    state=WAITING,
+                    created_at=time.time(),
+                    holder_pid=os.getpid(),
+                    holder_start=_proc.start_time(os.getpid()),
+                )
+                t.set_lease(lease_seconds)
+                store.write_ticket(t)
+                store.write_request(request_uuid, {"state": "active", "ticket_id": t.ticket_id})
+        if existing is not None:
+            return self._await_existing(store, existing, wait_seconds)
+        return self._start_agent(store, t, wait_seconds)
+
+    def _start_agent(self, store: LockStore, t: Ticket, wait_seconds: float) -> Outcome:
+        r, w = os.pipe()
+        argv = [sys.executable, "-m", "singleflight.agent", self.lock_dir_path, t.repo, t.lock_name, t.ticket_id]
+        proc = subprocess.Popen(
+            [*argv, str(w)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(w,),
+            start_new_session=True,
+        )
+        os.close(w)
+        chan = Channel(r, -1)
+        deadline = time.monotonic() + _AGENT_START_SECONDS
+        state = None
+        try:
+            while True:
+                line = _recv_until(chan, deadline)
+                if line is None:
+                    break
+                state = line
+                if line == "queued":
+                    deadline = time.monotonic() + wait_seconds
+                    continue
+                break
+        finally:
+            chan.close()
+        del proc  # detached: it outlives this call by design
+        cur = store.read_ticket(t.ticket_id) or t
+        return self._outcome(store, cur, timed_out=state == "queued")
+
+    def _await_existing(self, store: LockStore, t: Ticket, wait_seconds: float) -> Outcome:
+        """Same request uuid again: never a second ticket, never behind itself."""
+        if t.state == WAITING:
+            entry = next((n for n in queue.live_entries(store) if n.endswith("." + t.ticket_id)), None)
+            if entry is not None and wait_seconds > 0:
+                try:
+                    fd = store.sub("queue").open(entry, os.O_RDWR)
+                except FileNotFoundError:
+                    fd = -1
+                if fd >= 0:
+                    # The agent keeps this entry flocked until it leaves the line.
+                    got = queue.flock_until(fd, time.monotonic() + wait_seconds)
+                    os.close(fd)
+                    if got:
+                        t = _await_state_change(store, t.ticket_id)
+        cur = store.read_ticket(t.ticket_id) or t
+        return self._outcome(store, cur, timed_out=cur.state == WAITING)
+
+    def _outcome(self, store: LockStore, t: Ticket, *, timed_out: bool) -> Outcome:
+        view = self.view(store, t)
+        if t.state == HELD:
+            return Outcome(view)
+        if t.state == WAITING:
+            return Outcome(view, 75, "still waiting in line" if timed_out else None)
+        return Outcome(view, 1, f"ticket {t.ticket_id}: {lease.describe_end(t)}")
+
+    def get(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
+        ticket_id = names.ticket_id(ticket_id)
+        store = self._store(lock, repo, create=False)
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        return self.view(store, t)
+
+    def heartbeat(self, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
+        ticket_id = names.ticket_id(ticket_id)
+        store = self._store(lock, repo, create=False)
+        return self.view(store, lease.renew(store, ticket_id, lease_seconds))
+
+    def release(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
+        """Release (held) or cancel (waiting). Idempotent; a lost lease is an error."""
+        ticket_id = names.ticket_id(ticket_id)
+        store = self._store(lock, repo, create=False)
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        if t.state in (RELEASED, CANCELLED):
+            return self.view(store, t)
+        if t.state not in (HELD, WAITING):
+            raise NotHeld(ticket_id, lease.describe_end(t))
+        final = RELEASED if t.state == HELD else CANCELLED
+        ended = lease.end(store, ticket_id, final, "released by owner", only_if_held=False)
+        if ended is None:  # it ended on its own meanwhile
+            cur = store.read_ticket(ticket_id) or t
+            if cur.state in (RELEASED, CANCELLED):
+                return self.view(store, cur)
+            raise NotHeld(ticket_id, lease.describe_end(cur))
+        _poke_and_wait(t)
+        return self.view(store, store.read_ticket(ticket_id) or ended)
+
+    def update_activity(self, identity: str, activity: str | None) -> dict[str, Any]:
+        names.identity(identity)
+        self.dir.write_activity(identity, activity)
+        return {"identity": identity, "activity": activity}
+
+    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
+        names.scope(repo)
+        if lock is not None:
+            names.lock_name(lock)
+        now = time.monotonic()
+        out = []
+        for store in self.dir.iter_locks(repo):
+            with store:
+                if lock is not None and store.lock != lock:
+                    continue
+                out.append(self._lock_status(store, now))
+        return out
+
+    def _lock_status(self, store: LockStore, now: float) -> dict[str, Any]:
+        holder = None
+        waiters = []
+        for t in store.tickets():
+            alive = _proc.alive(t.holder_pid, t.holder_start)
+            left = t.lease_left(now)
+            if t.state == HELD and alive and (left is None or left > 0):
+                holder = self.view(store, t)
+                holder["lease_left"] = None if left is None else round(left, 3)
+            elif t.state == WAITING and alive:
+                waiters.append(self.view(store, t))
+        waiters.sort(key=lambda w: w["queue_position"] or 0)
+        return {
+            "lock_name": store.lock,
+            "repo": store.repo,
+            "state": "held" if holder else "free",
+            "fence": store.read_fence(),
+            "holder": holder,
+            "waiters": waiters,
+        }
+
+
+def _recv_until(chan: Channel, deadline: float) -> str | None:
+    while True:
+        lines = chan.lines()
+        if lines:
+            return lines[0]
+        if chan.eof:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        ready, _, _ = select.select([chan.rfd], [], [], remaining)
+        if ready:
+            chan.fill()
+
+
+def _await_state_change(store: LockStore, ticket_id: str) -> Ticket:
+    """The agent left the line: it is taking the lock (or gave up). Moments at most."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        if t.state != WAITING or time.monotonic() > deadline:
+            return t
+        time.sleep(0.005)
+
+
+def _poke_and_wait(t: Ticket) -> None:
+    """Tell the holder its ticket ended and wait until it has let the lock go."""
+    pid = t.holder_pid
+    if pid is None or not _proc.alive(pid, t.holder_start):
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if _proc.start_time(pid) != t.holder_start:
+            return
+        os.kill(pid, signal.SIGUSR1)
+        select.select([pidfd], [], [], 10.0)
+    finally:
+        os.close(pidfd)
+
+
+def backend(lock_dir: str) -> Backend:
+    return LocalBackend(lock_dir)
+
+
+__all__ = ["Backend", "LocalBackend", "Outcome", "PearingError", "backend"]

@@ -1,0 +1,215 @@
+"""pearing-cli: the seed's lock commands against the local lock dir.
+
+A thin typer layer: parse, call one backend method, print JSON, and turn
+errors into exit codes in one place (``main``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+try:  # recent typer vendors its own click; older releases use click itself
+    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import UsageError as ClickUsageError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException  # type: ignore[assignment]
+    from click.exceptions import UsageError as ClickUsageError  # type: ignore[assignment]
+
+from singleflight import __version__, identity, names
+from singleflight._const import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_SCOPE,
+    ENV_LOCK,
+    ENV_REPO,
+    ENV_TICKET,
+    ExitCode,
+)
+from singleflight._log import Log
+from singleflight.api import Backend, backend
+from singleflight.errors import PearingError, UsageError
+from singleflight.store import resolve_lock_dir
+
+PROG = "pearing-cli"
+app = typer.Typer(
+    name=PROG,
+    help="Lock commands of the Pearing CLI against the local lock dir. Output is JSON on stdout.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,
+)
+
+
+class _State:
+    lock_dir: str | None = None
+    identity: str | None = None
+
+
+_state = _State()
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"{PROG} {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    lock_dir: Annotated[str | None, typer.Option("--lock-dir", help="State dir (default PEARING_LOCK_DIR).")] = None,
+    ident: Annotated[
+        str | None, typer.Option("--identity", help="Who holds (default PEARING_IDENTITY, else user@host).")
+    ] = None,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    _state.lock_dir, _state.identity = lock_dir, ident
+
+
+def _backend() -> Backend:
+    return backend(resolve_lock_dir(_state.lock_dir))
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def _from_env(value: str | None, env: str, what: str) -> str:
+    """Inside a pearing-run COMMAND, NAME, TICKET_ID and --repo default from the environment."""
+    if value is not None:
+        return value
+    found = os.environ.get(env)
+    if not found:
+        raise UsageError(f"missing {what} (and {env} is not set)")
+    return found
+
+
+def _repo(value: str | None) -> str:
+    return names.scope(value if value is not None else os.environ.get(ENV_REPO) or DEFAULT_SCOPE)
+
+
+def _exit(code: int, reason: str | None) -> NoReturn:
+    if reason and code != ExitCode.BUSY:  # still waiting: the JSON says so, stay quiet
+        Log(PROG).error(reason)
+    raise typer.Exit(code)
+
+
+RepoOpt = Annotated[str | None, typer.Option("--repo", help="Scope (default PEARING_REPO, else 'default').")]
+LockArg = Annotated[str | None, typer.Argument(help="Lock name (default PEARING_LOCK).", show_default=False)]
+TicketArg = Annotated[str | None, typer.Argument(help="Ticket id (default PEARING_TICKET).", show_default=False)]
+
+
+@app.command("acquire-lock")
+def acquire_lock(
+    name: Annotated[str, typer.Argument(help="Lock name, e.g. thread-work.42.")],
+    request_uuid: Annotated[str, typer.Option("--request-uuid", help="Idempotency key of this acquisition.")],
+    lease_seconds: Annotated[str, typer.Option("--lease-seconds", help="Lease length.")] = str(DEFAULT_LEASE_SECONDS),
+    wait_seconds: Annotated[str, typer.Option("--wait-seconds", help="Wait in FIFO order up to this long.")] = "0",
+    repo: RepoOpt = None,
+) -> None:
+    """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
+    b = _backend()
+    out = b.acquire(
+        names.lock_name(name),
+        _repo(repo),
+        request_uuid=request_uuid,
+        lease_seconds=names.seconds(lease_seconds, "--lease-seconds", allow_zero=False),
+        wait_seconds=names.seconds(wait_seconds, "--wait-seconds"),
+        identity=identity.resolve(_state.identity),
+    )
+    _emit(out.ticket)
+    _exit(out.code, out.reason)
+
+
+@app.command("get-lock-ticket")
+def get_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
+    """Show one ticket."""
+    _emit(_backend().get(_from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")))
+
+
+@app.command("heartbeat-lock-ticket")
+def heartbeat_lock_ticket(
+    name: LockArg = None,
+    ticket_id: TicketArg = None,
+    lease_seconds: Annotated[str, typer.Option("--lease-seconds", help="New lease, from now.")] = str(
+        DEFAULT_LEASE_SECONDS
+    ),
+    repo: RepoOpt = None,
+) -> None:
+    """Renew the lease of a held (or waiting) ticket. Exit 1 if it is no longer live: stop."""
+    _emit(
+        _backend().heartbeat(
+            _from_env(name, ENV_LOCK, "NAME"),
+            _repo(repo),
+            _from_env(ticket_id, ENV_TICKET, "TICKET_ID"),
+            names.seconds(lease_seconds, "--lease-seconds", allow_zero=False),
+        )
+    )
+
+
+@app.command("release-lock-ticket")
+def release_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
+    """Release a held ticket or leave the queue. Idempotent."""
+    _emit(
+        _backend().release(
+            _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
+        )
+    )
+
+
+@app.command("update-user-activity")
+def update_user_activity(
+    activity: Annotated[str | None, typer.Option("--activity", help="What this identity is doing.")] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="Clear the activity.")] = False,
+) -> None:
+    """Set (or clear) this identity's activity, shown on its tickets and in status."""
+    if (activity is None) == (not clear):
+        raise UsageError("give exactly one of --activity TEXT or --clear")
+    if activity is not None and (not activity.strip() or len(activity) > 1000):
+        raise UsageError("bad --activity: must be 1 to 1000 characters")
+    _emit(_backend().update_activity(identity.resolve(_state.identity), activity))
+
+
+@app.command("status")
+def status(
+    name: Annotated[str | None, typer.Argument(help="Only this lock.", show_default=False)] = None,
+    repo: RepoOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
+) -> None:
+    """Who holds what, waiters, activity, lease left. A table on a terminal, JSON otherwise."""
+    locks = _backend().status(_repo(repo), None if name is None else names.lock_name(name))
+    if sys.stdout.isatty() and not as_json:
+        from singleflight.cli._table import render
+
+        sys.stdout.write(render(locks))
+    else:
+        _emit(locks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    log = Log(PROG)
+    try:
+        rv = app(args=argv, prog_name=PROG, standalone_mode=False)
+    except ClickUsageError as exc:
+        message = exc.format_message().replace("\n", " ").strip()
+        if message:  # empty after no_args_is_help has printed the help
+            log.error(message)
+        return int(ExitCode.USAGE)
+    except typer.Abort:
+        return 130
+    except PearingError as exc:
+        log.error(str(exc))
+        return int(exc.exit_code)
+    except ClickException as exc:
+        log.error(exc.format_message())
+        return int(ExitCode.USAGE)
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
