@@ -222,6 +222,7 @@ class Holder:
             now = time.time()
             self.store.prune_ended(now)
             self.store.prune_requests(now)
+            lease.sweep_dead_waiters(self.store)
         finally:
             os._exit(0)
 

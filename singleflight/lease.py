@@ -7,12 +7,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight import _fault, _proc
-from singleflight._const import EXPIRED, HELD, RELEASED, WAITING
+from singleflight._const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
 from singleflight.errors import NotHeld, UnknownTicket
 from singleflight.store import LockStore
 from singleflight.ticket import Ticket
@@ -20,8 +21,6 @@ from singleflight.ticket import Ticket
 
 def mint_token() -> str:
     """The run's secret: 256 random bits. Only its holder learns it."""
-    import secrets
-
     return secrets.token_hex(32)
 
 
@@ -40,26 +39,42 @@ def guard_exclusive(store: LockStore) -> Iterator[None]:
         os.close(fd)
 
 
-def sweep_dead_holders(store: LockStore) -> None:
-    """Mark tickets whose holder died (kill -9) expired. Caller holds the flock and mutex.
+def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> None:
+    """Mark the previous holder's ticket expired if it died holding (kill -9).
 
-    Holding the flock proves their holders are gone: the kernel frees it only then.
+    Caller holds the flock and the mutex; holding the flock proves that holder
+    is gone, since the kernel frees it only then. Only the ``holder`` pointer is
+    read, not every ticket: this runs on every hand-over.
     """
-    now = time.time()
+    previous = store.read_pointer("holder")
+    if previous and previous != new_ticket_id:
+        t = store.read_ticket(previous)
+        if t is not None and t.state == HELD:
+            t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", time.time()
+            store.write_ticket(t)
+
+
+def sweep_dead_waiters(store: LockStore) -> int:
+    """Cancel waiting tickets whose waiter died. Off the hot path (after a release)."""
+    swept = 0
     for t in store.tickets():
-        if t.state == HELD:
-            t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", now
-            store.write_ticket(t)
-        elif t.state == WAITING and not _proc.alive(t.holder_pid, t.holder_start):
-            t.state, t.end_reason, t.ended_at = "cancelled", "waiter gone", now
-            store.write_ticket(t)
+        if t.state == WAITING and not _proc.alive(t.holder_pid, t.holder_start):
+            with store.mutex():
+                cur = store.read_ticket(t.ticket_id)
+                if cur is not None and cur.state == WAITING and not _proc.alive(cur.holder_pid, cur.holder_start):
+                    cur.state, cur.end_reason, cur.ended_at = CANCELLED, "waiter gone", time.time()
+                    store.write_ticket(cur)
+                    swept += 1
+    return swept
 
 
 def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
     """Turn ``ticket`` into the held one; returns the token. Caller owns the flock."""
     _fault.point("after-flock")
     with store.mutex():
-        sweep_dead_holders(store)
+        sweep_previous_holder(store, ticket.ticket_id)
+        # The pointer goes first: a kill right after it names a ticket that is not held.
+        store.write_pointer("holder", ticket.ticket_id)
         fence = store.bump_fence()
         token = mint_token()
         now = time.time()

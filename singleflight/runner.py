@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import select
 import signal
 import time
+from typing import TYPE_CHECKING
 
-from singleflight import _fault, _proc, lease, queue
-from singleflight._channel import Channel
+from singleflight import _fault, _proc, queue
 from singleflight._const import (
     CANCELLED,
     ENV_FENCE,
@@ -34,9 +32,15 @@ from singleflight._const import (
 )
 from singleflight._log import Log
 from singleflight.errors import PearingError
-from singleflight.holder import Holder, HolderConfig, detach
 from singleflight.store import LockDir, LockStore
 from singleflight.ticket import Ticket, new_uuid4
+
+if TYPE_CHECKING:
+    from singleflight._channel import Channel
+    from singleflight.holder import HolderConfig
+
+# The busy skip is the hot path: it imports only what it needs. Holding (lease,
+# holder, channel) is imported once the lock is ours.
 
 FORWARDED_SIGNALS = (
     signal.SIGINT,
@@ -170,6 +174,8 @@ class Runner:
             waiter.leave()
         self.waited = time.monotonic() - started
         if not got:
+            from singleflight import lease
+
             os.close(fd)
             lease.end(store, self.ticket.ticket_id, CANCELLED, "wait timed out", only_if_held=False)
             self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
@@ -224,6 +230,10 @@ class Runner:
     # -- holding -----------------------------------------------------------
 
     def _hold_and_run(self, lock_fd: int) -> int:
+        import json
+
+        from singleflight.holder import HolderConfig
+
         o = self.o
         cfg = HolderConfig(
             heartbeat_auto=o.heartbeat_auto,
@@ -267,6 +277,9 @@ class Runner:
         return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
 
     def _fork_holder(self, lock_fd: int, cfg: HolderConfig) -> Channel:
+        from singleflight._channel import Channel
+        from singleflight.holder import detach
+
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         pid = os.fork()
@@ -324,6 +337,8 @@ class Runner:
 
     def _wait_child(self, pid: int, chan: Channel) -> int | None:
         """Wait for COMMAND while listening to the holder; its exit code (128+N for signal N)."""
+        import select
+
         pidfd = os.pidfd_open(pid)
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
@@ -350,6 +365,10 @@ class Runner:
 
     def _holder_vanished(self, pid: int) -> None:
         """The holder died (kill -9): the kernel freed the lock; the token is dead."""
+        import select
+
+        from singleflight import lease
+
         self.lost = "holder gone"
         self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
         try:
@@ -384,6 +403,8 @@ class Runner:
         return exit_code
 
     def _release_without_holder(self, status: int) -> None:
+        from singleflight import lease
+
         t = self.ticket
         try:
             if self.o.request_uuid:
@@ -405,6 +426,11 @@ class Runner:
 
 def _holder_child(o: RunOptions, ticket: Ticket, lock_fd: int, cfg: HolderConfig, chan: Channel) -> int:
     """In the forked holder: take ownership, report, and serve the lease."""
+    import json
+
+    from singleflight import lease
+    from singleflight.holder import Holder
+
     try:
         store = LockDir(o.lock_dir, create=False).lock_store(o.repo, o.job, create=False)
         token = lease.take_ownership(store, ticket, promoted=bool(ticket.promoted))

@@ -153,6 +153,13 @@ class LockStore:
         finally:
             os.close(fd)
 
+    def read_pointer(self, name: str) -> str | None:
+        data = self.dir.read(name)
+        return data.decode("ascii", "replace").strip() if data else None
+
+    def write_pointer(self, name: str, value: str) -> None:
+        self.dir.write_atomic(name, value.encode(), durable=False)
+
     # -- fence -------------------------------------------------------------
 
     def read_fence(self) -> int:

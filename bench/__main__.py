@@ -1,0 +1,344 @@
+"""The project's benchmark: ``python -m bench [--quick] [--out PATH]``.
+
+Everything compared is measured side by side in one run, alternating the
+commands run by run, and reported as medians and ratios: the machine is shared
+and noisy, so only ratios taken together mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+PY = sys.executable
+RUN = str(BIN / "pearing-run")
+GUARD = str(BIN / "pearing-guard")
+CLI = str(BIN / "pearing-cli")
+FLOCK = shutil.which("flock")
+
+
+def _env(lock_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARING_")}
+    env["PEARING_LOCK_DIR"] = str(lock_dir)
+    return env
+
+
+def _time(argv: list[str], env: dict[str, str], expect: int | None = 0) -> float:
+    t0 = time.perf_counter()
+    rc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False).returncode
+    dt = time.perf_counter() - t0
+    if expect is not None and rc != expect:
+        raise SystemExit(f"bench: {argv} exited {rc}, expected {expect}")
+    return dt * 1000
+
+
+def _alternate(cases: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(2):  # warm-up
+        for fn in cases.values():
+            fn()
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            out[name].append(fn())
+    return out
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench: timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+# -- 1, 2, 5: start-up costs ---------------------------------------------------
+
+
+def startup(tmp: Path, rounds: int) -> dict[str, Any]:
+    env = _env(tmp / "startup")
+    flock_file = str(tmp / "flock.lock")
+    cases: dict[str, Callable[[], float]] = {
+        "python3 -c pass": lambda: _time([PY, "-c", "pass"], env),  # noqa: PLW0108
+        "pearing-run (uncontended)": lambda: _time([RUN, "--job", "x", "--", "true"], env),
+    }
+    if FLOCK:
+        cases["flock -n f true"] = lambda: _time([FLOCK, "-n", flock_file, "true"], env)
+    # Busy skip: a holder keeps job "busy" for the whole measurement.
+    gate = tmp / "busy-go"
+    holder = subprocess.Popen(
+        [RUN, "--job", "busy", "--", "sh", "-c", f"touch {tmp}/busy-ready; while [ ! -e {gate} ]; do sleep 0.05; done"],
+        env=env,
+    )
+    _wait_for(lambda: (tmp / "busy-ready").exists(), 10, "busy holder")
+    cases["pearing-run (busy skip)"] = lambda: _time([RUN, "--job", "busy", "--", "true"], env, expect=75)
+    # verify inside a live lease: copy the holder's token file path.
+    token_file = next((tmp / "startup").glob("locks/default/@busy/tokens/*.token"))
+    cases["pearing-guard verify"] = lambda: _time([GUARD, "verify", "--token-file", str(token_file)], env)
+    try:
+        samples = _alternate(cases, rounds)
+    finally:
+        gate.touch()
+        holder.wait(30)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    base = med["python3 -c pass"]
+    return {
+        "median_ms": med,
+        "ratio_to_python": {k: v / base for k, v in med.items()},
+        "busy_over_uncontended": med["pearing-run (busy skip)"] / med["pearing-run (uncontended)"],
+        "rounds": rounds,
+    }
+
+
+# -- 3, 6: hand-over -------------------------------------------------------------
+
+
+def _chain(tool: str, waiters: int, tmp: Path) -> list[float]:
+    """Start a holder, queue ``waiters`` runs behind it, release; hand-over gaps in ms."""
+    d = Path(tempfile.mkdtemp(dir=tmp, prefix=f"chain-{tool}-"))
+    env = _env(d / "lockdir")
+    gate, ready = d / "go", d / "ready"
+    hold = f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.002; done; date +%s%N > {d}/h"
+    lock = str(d / "flock.lock")
+    if tool == "pearing":
+        head = [RUN, "--job", "c", "--", "sh", "-c", hold]
+    else:
+        head = [str(FLOCK), "-w", "300", lock, "sh", "-c", hold]
+    procs = [subprocess.Popen(head, env=env)]
+    _wait_for(ready.exists, 10, "chain holder")
+    outs = []
+    for i in range(waiters):
+        out = open(d / f"w{i:03d}", "wb")  # noqa: SIM115 - closed below
+        outs.append(out)
+        if tool == "pearing":
+            argv = [RUN, "--job", "c", "--wait-seconds", "300", "--", "date", "+%s%N"]
+        else:
+            argv = [str(FLOCK), "-w", "300", lock, "date", "+%s%N"]
+        procs.append(subprocess.Popen(argv, env=env, stdout=out))
+        if tool == "pearing":  # arrival order is part of what is measured
+            qdir = d / "lockdir/locks/default/@c/queue"
+            _wait_for(lambda n=i + 1, q=qdir: _queued(q) >= n, 20, "enqueue")
+    # flock(1) has no queue to watch: give its waiters time to block in the kernel.
+    if tool != "pearing":
+        time.sleep(0.2 + waiters * 0.005)
+    gate.touch()
+    for p in procs:
+        if p.wait(300) != 0:
+            raise SystemExit(f"bench: chain member exited {p.returncode}")
+    for out in outs:
+        out.close()
+    stamps = [int((d / "h").read_text())]
+    order = []
+    for i in range(waiters):
+        t = int((d / f"w{i:03d}").read_text())
+        stamps.append(t)
+        order.append((t, i))
+    gaps = [(b - a) / 1e6 for a, b in zip(sorted(stamps), sorted(stamps)[1:], strict=False)]
+    fifo = [i for _, i in sorted(order)] == list(range(waiters))
+    shutil.rmtree(d, ignore_errors=True)
+    return gaps if tool != "pearing" or fifo else [-1.0]
+
+
+def _queued(qdir: Path) -> int:
+    return len([q for q in os.listdir(qdir) if q[0].isdigit()]) if qdir.exists() else 0
+
+
+def handover(tmp: Path, chains: int, length: int) -> dict[str, Any]:
+    res: dict[str, list[float]] = {"pearing-run --wait-seconds": [], "flock -w": []}
+    fifo_ok = True
+    for _ in range(chains):
+        g = _chain("pearing", length, tmp)
+        fifo_ok &= g != [-1.0]
+        res["pearing-run --wait-seconds"] += g
+        if FLOCK:
+            res["flock -w"] += _chain("flock", length, tmp)
+    out: dict[str, Any] = {"chain_length": length, "chains": chains, "fifo_kept": fifo_ok}
+    for k, v in res.items():
+        if v:
+            out[k] = {"p50_ms": statistics.median(v), "p99_ms": _pct(v, 99), "max_ms": max(v), "n": len(v)}
+    if FLOCK and res["flock -w"]:
+        out["p50_difference_ms"] = out["pearing-run --wait-seconds"]["p50_ms"] - out["flock -w"]["p50_ms"]
+    return out
+
+
+def scale_waiters(tmp: Path, many: int) -> dict[str, Any]:
+    two = [g for _ in range(10) for g in _chain("pearing", 2, tmp)]
+    big = _chain("pearing", many, tmp)
+    fifo = big != [-1.0]
+    return {
+        "p50_ms_2_waiters": statistics.median(two),
+        f"p99_ms_{many}_waiters": _pct(big, 99) if fifo else None,
+        f"p50_ms_{many}_waiters": statistics.median(big) if fifo else None,
+        "fifo_kept": fifo,
+        "p99_over_2_waiter_p50": (_pct(big, 99) / statistics.median(two)) if fifo else None,
+    }
+
+
+# -- 4: lease-expiry detection -------------------------------------------------
+
+_TRAP = """
+import os, signal, sys, time
+def term(sig, frame):
+    t = time.time()
+    v = os.system("{guard} verify >/dev/null 2>&1")
+    open(sys.argv[1], "w").write(f"{{t}} {{v}}")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+open(sys.argv[2], "w").close()
+while True:
+    signal.pause()
+"""
+
+
+def expiry(tmp: Path, runs: int) -> dict[str, Any]:
+    lags, refused = [], 0
+    script = tmp / "trap.py"
+    script.write_text(_TRAP.format(guard=GUARD))
+    for i in range(runs):
+        d = tmp / f"exp{i}"
+        d.mkdir()
+        env = _env(d / "lockdir")
+        argv = [RUN, "--job", "e", "--heartbeat", "manual", "--lease-seconds", "0.5", "--kill-grace", "5"]
+        cmd = [*argv, "--", PY, str(script), str(d / "term"), str(d / "ready")]
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        if rc != 124:
+            raise SystemExit(f"bench: expiry run exited {rc}, expected 124")
+        term_at, verify_rc = (d / "term").read_text().split()
+        ended = next((d / "lockdir").glob("locks/default/@e/ended/*.json"))
+        deadline = json.loads(ended.read_text())["lease_expires_at"]
+        lags.append((float(term_at) - deadline) * 1000)
+        refused += int(verify_rc) != 0
+    return {
+        "runs": runs,
+        "deadline_to_sigterm_p50_ms": statistics.median(lags),
+        "deadline_to_sigterm_max_ms": max(lags),
+        "token_refused_in_term_trap": f"{refused}/{runs}",
+    }
+
+
+# -- 7: many locks ---------------------------------------------------------------
+
+
+def many_locks(tmp: Path, count: int) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from singleflight import lease
+    from singleflight.store import LockDir
+    from singleflight.ticket import Ticket, new_uuid4
+
+    lock_dir = tmp / "many"
+    ld = LockDir(str(lock_dir))
+    t0 = time.perf_counter()
+    for i in range(count):
+        with ld.lock_store("default", f"job-{i:05d}") as st:
+            os.close(st.open_lock_file())
+            with st.mutex():
+                st.bump_fence()
+    made = time.perf_counter() - t0
+    env = _env(lock_dir)
+    times = [_time([CLI, "status"], env) for _ in range(3)]
+    out = subprocess.run([CLI, "status"], env=env, capture_output=True, check=True).stdout
+    listed = len(json.loads(out))
+    du = int(
+        subprocess.run(
+            ["du", "-sk", str(lock_dir / "locks")], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
+    )
+    # Completed request-uuid records on one lock.
+    with ld.lock_store("default", "dedupe") as st:
+        st.sub("requests")
+        before = _du_bytes(lock_dir / "locks/default/@dedupe/requests")
+        for _ in range(200):
+            t = Ticket(ticket_id=new_uuid4(), fence=1)
+            lease.record_request(st, new_uuid4(), t, 0, 86400)
+        after = _du_bytes(lock_dir / "locks/default/@dedupe/requests")
+        pruned_now = st.prune_requests(time.time() + 86401)
+    return {
+        "locks": count,
+        "created_in_s": made,
+        "status_median_s": statistics.median(times) / 1000,
+        "status_listed": listed,
+        "disk_kib_per_idle_lock": du / count,
+        "disk_bytes_per_request_record": (after - before) / 200,
+        "request_records_pruned_after_window": pruned_now,
+    }
+
+
+def _du_bytes(p: Path) -> int:
+    return int(subprocess.run(["du", "-sb", str(p)], capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def _table(r: dict[str, Any]) -> str:
+    s = r["startup"]
+    lines = ["", "== start-up (median of alternating runs) ==", f"{'command':<30} {'median ms':>10} {'x python':>9}"]
+    for k, v in s["median_ms"].items():
+        lines.append(f"{k:<30} {v:>10.1f} {s['ratio_to_python'][k]:>9.2f}")
+    lines.append(f"busy skip / uncontended: {s['busy_over_uncontended']:.2f}")
+    h = r["handover"]
+    lines += [
+        "",
+        f"== hand-over, chains of {h['chain_length']} waiters ==",
+        f"{'tool':<30} {'p50':>8} {'p99':>8} {'max':>8}",
+    ]
+    for k in ("pearing-run --wait-seconds", "flock -w"):
+        if k in h:
+            lines.append(f"{k:<30} {h[k]['p50_ms']:>8.1f} {h[k]['p99_ms']:>8.1f} {h[k]['max_ms']:>8.1f}")
+    if "p50_difference_ms" in h:
+        lines.append(f"p50 difference: {h['p50_difference_ms']:+.1f} ms; FIFO kept: {h['fifo_kept']}")
+    w = r["waiters"]
+    lines += ["", "== queue length =="] + [
+        f"{k}: {v if not isinstance(v, float) else round(v, 2)}" for k, v in w.items()
+    ]
+    e = r["expiry"]
+    lines += ["", "== lease-expiry detection =="] + [
+        f"{k}: {v if not isinstance(v, float) else round(v, 1)}" for k, v in e.items()
+    ]
+    m = r["many_locks"]
+    lines += ["", "== many locks =="] + [f"{k}: {v if not isinstance(v, float) else round(v, 3)}" for k, v in m.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="few rounds: checks that the benchmark works")
+    ap.add_argument("--out", default="bench/results/latest.json", help="where to write the JSON")
+    a = ap.parse_args()
+    q = a.quick
+    with tempfile.TemporaryDirectory(prefix="pearing-bench-") as t:
+        tmp = Path(t)
+        result = {
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "startup": startup(tmp, 5 if q else 40),
+            "handover": handover(tmp, 1 if q else 3, 5 if q else 20),
+            "waiters": scale_waiters(tmp, 10 if q else 100),
+            "expiry": expiry(tmp, 3 if q else 20),
+            "many_locks": many_locks(tmp, 200 if q else 10000),
+        }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    sys.stdout.write(_table(result))
+    sys.stdout.write(f"\nJSON: {out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
