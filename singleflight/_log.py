@@ -1,7 +1,13 @@
 """Lifecycle lines: part of the interface, asserted by tests.
 
-One line per event on stderr, ``PROG: EVENT key=value ...``, only with ``-v``;
-errors always, as ``PROG: error: MESSAGE``.
+One line per event on stderr, only with ``-v``; errors always:
+
+    text:  PROG: EVENT key=value ...        PROG: error: MESSAGE
+    json:  {"ts": ..., "prog": ..., "event": ..., "key": value, ...}
+
+Under systemd (JOURNAL_STREAM names our stderr) each line starts with a
+``<N>`` priority prefix, so journald files errors and lost leases at the
+right level.
 """
 
 from __future__ import annotations
@@ -9,24 +15,59 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
+
+# sd-daemon(3) priorities.
+_ERR, _WARNING, _NOTICE, _INFO = 3, 4, 5, 6
+_PRIORITY = {"lease-lost": _WARNING, "wait-timeout": _NOTICE, "heartbeat-missed": _WARNING}
+FORMATS = ("text", "json")
+
+
+def _journald_stderr() -> bool:
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    dev, _, ino = stream.partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return False
+    return st.st_dev == int(dev) and st.st_ino == int(ino)
 
 
 class Log:
-    def __init__(self, prog: str, verbose: bool = False) -> None:
-        self.prog, self.verbose = prog, verbose
+    def __init__(self, prog: str, verbose: bool = False, fmt: str = "text") -> None:
+        self.prog, self.verbose, self.fmt = prog, verbose, fmt
+        self.journald = "JOURNAL_STREAM" in os.environ and _journald_stderr()
 
     def event(self, name: str, **fields: object) -> None:
         if self.verbose:
-            tail = "".join(f" {k}={v}" for k, v in fields.items() if v is not None)
-            self._write(f"{self.prog}: {name}{tail}")
+            self._emit(_PRIORITY.get(name, _INFO), name, fields)
 
     def error(self, message: str) -> None:
-        self._write(f"{self.prog}: error: {message}")
+        self._emit(_ERR, "error", {"message": message})
 
     def refused(self, reason: str) -> None:
         """A refusal is an answer, not an error: ``PROG: refused: REASON``."""
-        self._write(f"{self.prog}: refused: {reason}")
+        self._emit(_NOTICE, "refused", {"reason": reason})
 
-    def _write(self, line: str) -> None:
+    def _emit(self, priority: int, name: str, fields: dict[str, object]) -> None:
+        if self.fmt == "json":
+            import json
+
+            obj = {"ts": _now(), "prog": self.prog, "event": name, **{k: v for k, v in fields.items() if v is not None}}
+            line = json.dumps(obj)
+        elif name in ("error", "refused"):
+            line = f"{self.prog}: {name}: {next(iter(fields.values()))}"
+        else:
+            tail = "".join(f" {k}={v}" for k, v in fields.items() if v is not None)
+            line = f"{self.prog}: {name}{tail}"
+        if self.journald:
+            line = f"<{priority}>{line}"
         with contextlib.suppress(OSError, ValueError):
             os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+
+
+def _now() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"

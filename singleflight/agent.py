@@ -27,6 +27,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str]) -> int:
     lock_dir, repo, lock, ticket_id, report_fd = argv
+    # Daemonise: the caller reaps our parent at once, so a long-lived caller
+    # (pearing-mcp) collects no zombies; init reaps us when the lease ends.
+    if os.fork() > 0:
+        os._exit(0)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     chan = Channel(-1, int(report_fd))
     store = LockDir(lock_dir, create=False).lock_store(repo, lock, create=False)

@@ -51,13 +51,23 @@ class LocalBackend:
         self.lock_dir_path = lock_dir
         self.dir = LockDir(lock_dir)
 
-    def _store(self, lock: str, repo: str, *, create: bool = True) -> LockStore:
+    def close(self) -> None:
+        self.dir.close()
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _store(self, lock: str, repo: str, *, ticket_id: str | None = None) -> LockStore:
+        """The lock's files; created for an acquisition, required for a ticket lookup."""
         names.lock_name(lock)
         names.scope(repo)
         try:
-            return self.dir.lock_store(repo, lock, create=create)
+            return self.dir.lock_store(repo, lock, create=ticket_id is None)
         except FileNotFoundError:
-            raise NotHeld("-", f"no lock {lock!r} in scope {repo!r}") from None
+            raise NotHeld(ticket_id or "-", f"unknown ticket: no lock {lock!r} in scope {repo!r}") from None
 
     # -- views -------------------------------------------------------------
 
@@ -79,7 +89,13 @@ class LocalBackend:
         self, lock: str, repo: str, *, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
     ) -> Outcome:
         request_uuid = names.request_uuid(request_uuid)
-        store = self._store(lock, repo)
+        with self._store(lock, repo) as store:
+            return self._acquire(store, request_uuid, lease_seconds, wait_seconds, identity)
+
+    def _acquire(
+        self, store: LockStore, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
+    ) -> Outcome:
+        lock, repo = store.lock, store.repo
         with store.mutex():
             rec = store.read_request(request_uuid)
             existing = store.read_ticket(str(rec["ticket_id"])) if rec and rec.get("ticket_id") else None
@@ -114,6 +130,7 @@ class LocalBackend:
             start_new_session=True,
         )
         os.close(w)
+        proc.wait()  # the agent daemonises at once; its child keeps the pipe
         chan = Channel(r, -1)
         deadline = time.monotonic() + _AGENT_START_SECONDS
         state = None
@@ -129,7 +146,6 @@ class LocalBackend:
                 break
         finally:
             chan.close()
-        del proc  # detached: it outlives this call by design
         cur = store.read_ticket(t.ticket_id) or t
         return self._outcome(store, cur, timed_out=state == "queued")
 
@@ -161,21 +177,24 @@ class LocalBackend:
 
     def get(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
         ticket_id = names.ticket_id(ticket_id)
-        store = self._store(lock, repo, create=False)
-        t = store.read_ticket(ticket_id)
-        if t is None:
-            raise UnknownTicket(ticket_id)
-        return self.view(store, t)
+        with self._store(lock, repo, ticket_id=ticket_id) as store:
+            t = store.read_ticket(ticket_id)
+            if t is None:
+                raise UnknownTicket(ticket_id)
+            return self.view(store, t)
 
     def heartbeat(self, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
         ticket_id = names.ticket_id(ticket_id)
-        store = self._store(lock, repo, create=False)
-        return self.view(store, lease.renew(store, ticket_id, lease_seconds))
+        with self._store(lock, repo, ticket_id=ticket_id) as store:
+            return self.view(store, lease.renew(store, ticket_id, lease_seconds))
 
     def release(self, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
         """Release (held) or cancel (waiting). Idempotent; a lost lease is an error."""
         ticket_id = names.ticket_id(ticket_id)
-        store = self._store(lock, repo, create=False)
+        with self._store(lock, repo, ticket_id=ticket_id) as store:
+            return self._release(store, ticket_id)
+
+    def _release(self, store: LockStore, ticket_id: str) -> dict[str, Any]:
         t = store.read_ticket(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)

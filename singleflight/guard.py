@@ -28,7 +28,7 @@ from typing import Any
 from singleflight import _fault, _proc, names
 from singleflight._const import ENV_LOCK, ENV_LOCK_DIR, ENV_REPO, ENV_TICKET, ENV_TOKEN, ENV_TOKEN_FILE, HELD
 from singleflight._fs import Dir
-from singleflight.errors import BadValue, CorruptRecord, NotHeld, StaleFence, UsageError
+from singleflight.errors import BadValue, CorruptRecord, LockDirError, NotHeld, StaleFence, UsageError
 from singleflight.lease import describe_end, token_hash
 from singleflight.store import LockDir, LockStore, resolve_lock_dir
 
@@ -135,9 +135,11 @@ def _judge(store: LockStore, claim: _Claim) -> Verdict:
 
 
 def _open_store(claim: _Claim) -> LockStore | None:
+    """The claimed lock's files, or None when they do not exist (an unknown token)."""
     try:
-        return LockDir(claim.lock_dir, create=False).lock_store(claim.repo, claim.lock, create=False)
-    except FileNotFoundError:
+        with LockDir(claim.lock_dir, create=False) as lock_dir:
+            return lock_dir.lock_store(claim.repo, claim.lock, create=False)
+    except (FileNotFoundError, LockDirError):
         return None
 
 

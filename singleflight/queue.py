@@ -47,7 +47,13 @@ def flock_until(fd: int, deadline: float) -> bool:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return False
-    old = signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        old = signal.signal(signal.SIGALRM, _on_alarm)
+    except ValueError:
+        # Not the main thread (a server calling the API from a worker): no
+        # signal to cut the kernel wait short, so poll instead. pearing-run and
+        # the CLI agents always wait in their main thread, woken by the kernel.
+        return _poll_flock(fd, deadline)
     try:
         signal.setitimer(signal.ITIMER_REAL, remaining)
         try:
@@ -59,6 +65,14 @@ def flock_until(fd: int, deadline: float) -> bool:
         return False
     finally:
         signal.signal(signal.SIGALRM, old)
+
+
+def _poll_flock(fd: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if try_flock(fd):
+            return True
+        time.sleep(0.005)
+    return try_flock(fd)
 
 
 def try_flock(fd: int) -> bool:

@@ -65,6 +65,7 @@ class RunOptions:
         "kill_grace",
         "lease_seconds",
         "lock_dir",
+        "log_format",
         "max_runtime",
         "repo",
         "request_uuid",
@@ -91,13 +92,14 @@ class RunOptions:
     identity: str
     lock_dir: str
     verbose: bool
+    log_format: str
     command: list[str]
 
 
 class Runner:
     def __init__(self, opts: RunOptions) -> None:
         self.o = opts
-        self.log = Log("pearing-run", opts.verbose)
+        self.log = Log("pearing-run", opts.verbose, opts.log_format)
         self.cmd_pid: int | None = None
         self.pending: list[int] = []
         self.request_claimed = False

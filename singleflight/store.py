@@ -60,6 +60,12 @@ class LockDir:
     def close(self) -> None:
         self.root.close()
 
+    def __enter__(self) -> LockDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def lock_store(self, repo: str, lock: str, *, create: bool = True) -> LockStore:
         parts = ["locks", *repo.split("/"), "@" + lock]
         return LockStore(self, repo, lock, self.root.walk(parts, create=create))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -180,15 +181,30 @@ def status(
     name: Annotated[str | None, typer.Argument(help="Only this lock.", show_default=False)] = None,
     repo: RepoOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Redraw every --interval seconds until ^C.")] = False,
+    interval: Annotated[str, typer.Option("--interval", help="Seconds between redraws with --watch.")] = "2",
 ) -> None:
     """Who holds what, waiters, activity, lease left. A table on a terminal, JSON otherwise."""
-    locks = _backend().status(_repo(repo), None if name is None else names.lock_name(name))
-    if sys.stdout.isatty() and not as_json:
-        from singleflight.cli._table import render
+    b, scope = _backend(), _repo(repo)
+    only = None if name is None else names.lock_name(name)
+    every = names.seconds(interval, "--interval", allow_zero=False)
+    table = sys.stdout.isatty() and not as_json
+    while True:
+        locks = b.status(scope, only)
+        if table:
+            from singleflight.cli._table import render
 
-        sys.stdout.write(render(locks))
-    else:
-        _emit(locks)
+            if watch:
+                sys.stdout.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
+            sys.stdout.write(render(locks))
+        elif watch:
+            sys.stdout.write(json.dumps(locks) + "\n")  # one JSON document per line
+        else:
+            _emit(locks)
+        sys.stdout.flush()
+        if not watch:
+            return
+        time.sleep(every)
 
 
 def main(argv: list[str] | None = None) -> int:

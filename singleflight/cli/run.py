@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 from singleflight import __version__, identity, names
 from singleflight._const import DEFAULT_DEDUPE_WINDOW, DEFAULT_KILL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE
-from singleflight._log import Log
+from singleflight._log import FORMATS, Log
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.errors import BadValue, PearingError, UsageError
 from singleflight.runner import RunOptions, run
@@ -29,6 +30,7 @@ OPTIONS = [
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY or user@host)"),
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR or per user)"),
     Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
+    Option("--log-format", dest="log_format", metavar="text|json", help="stderr line format (default text)"),
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
 ]
@@ -55,6 +57,9 @@ def build_options(argv: list[str]) -> RunOptions:
     heartbeat = _opt_str(values, "heartbeat") or "auto"
     if heartbeat not in ("auto", "manual"):
         raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
+    log_format = _opt_str(values, "log_format") or "text"
+    if log_format not in FORMATS:
+        raise BadValue("--log-format", log_format, "must be text or json")
     max_runtime = _opt_str(values, "max_runtime")
     request_uuid = _opt_str(values, "request_uuid")
     return RunOptions(
@@ -74,14 +79,22 @@ def build_options(argv: list[str]) -> RunOptions:
         identity=identity.resolve(_opt_str(values, "identity")),
         lock_dir=resolve_lock_dir(_opt_str(values, "lock_dir")),
         verbose=bool(values.get("verbose")),
+        log_format=log_format,
         command=command,
     )
 
 
+def _pair(args: list[str], flag: str, value: str) -> bool:
+    head = args[: args.index("--")] if "--" in args else args
+    return any(a == flag and b == value for a, b in itertools.pairwise(head))
+
+
 def main(argv: list[str] | None = None) -> int:
-    log = Log(PROG)
+    args = sys.argv[1:] if argv is None else argv
+    # Errors before parsing finishes still honour --log-format json.
+    log = Log(PROG, fmt="json" if "--log-format=json" in args or _pair(args, "--log-format", "json") else "text")
     try:
-        return run(build_options(sys.argv[1:] if argv is None else argv))
+        return run(build_options(args))
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)

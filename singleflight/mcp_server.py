@@ -1,0 +1,240 @@
+"""pearing-mcp: the lock operations of pearing-cli as tools of a stdio MCP server.
+
+A front end like ``cli/main.py``: check the arguments, call one backend method,
+and turn a ``PearingError`` into a tool error whose text is its one line, so a
+bad call never takes the server down.
+
+pearing-mcp [--lock-dir DIR] [--identity ID] [--version]
+"""
+
+# No ``from __future__ import annotations`` in this module: the SDK (a second to
+# import) is imported only once the flags are parsed, inside ``build_server``,
+# and it reads the tools' annotations with ``inspect.signature(eval_str=True)``
+# against module globals. The tools' annotations must therefore be real objects
+# when they are defined, not strings naming locals of ``build_server``.
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+from singleflight import __version__, guard, identity, names
+from singleflight._const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_LOCK_DIR, ExitCode
+from singleflight._log import Log
+from singleflight.api import LocalBackend
+from singleflight.cli._argv import Option, parse, usage
+from singleflight.errors import BadValue, PearingError, UsageError
+from singleflight.store import resolve_lock_dir
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
+
+PROG = "pearing-mcp"
+SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--version]"
+OPTIONS = [
+    Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR)"),
+    Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY, else user@host)"),
+    Option("--version", dest="version", flag=True, help="print the version and exit"),
+    Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
+]
+MAX_ACTIVITY = 1000
+
+_T = TypeVar("_T")
+
+
+class Ended(PearingError):
+    """acquire_lock for a request whose ticket has already ended: its owner must stop."""
+
+    exit_code = ExitCode.REFUSED
+
+
+class Ops:
+    """The tools' work, without the SDK: validate like pearing-cli, call the backend.
+
+    Every method blocks (acquire for up to ``wait_seconds``) and raises
+    ``PearingError`` with the one line the caller sees.
+    """
+
+    def __init__(self, lock_dir: str, ident: str) -> None:
+        self.lock_dir, self.identity = lock_dir, ident
+
+    def _call(self, work: Callable[[LocalBackend], _T]) -> _T:
+        # One backend per call: a server lives for days, so every fd is closed at once.
+        with LocalBackend(self.lock_dir) as b:
+            return work(b)
+
+    def check(self) -> None:
+        """Open (and create) the lock dir now: a bad one is an exit code, not an error on every call."""
+        self._call(lambda b: None)
+
+    def acquire(
+        self, repo: str, lock_name: str, request_uuid: str, lease_seconds: float, wait_seconds: float
+    ) -> dict[str, Any]:
+        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        uuid = names.request_uuid(request_uuid)
+        lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
+        wait = names.seconds(wait_seconds, "wait_seconds")
+        out = self._call(
+            lambda b: b.acquire(
+                lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=self.identity
+            )
+        )
+        if out.code == ExitCode.REFUSED:
+            raise Ended(out.reason or f"ticket {out.ticket['ticket_id']}: {out.ticket['state']}")
+        # Held (0) or still waiting in its FIFO place (75): the ticket's state says which.
+        return out.ticket
+
+    def get(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
+        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        return self._call(lambda b: b.get(lock, scope, ticket_id))
+
+    def heartbeat(self, repo: str, lock_name: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
+        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
+        return self._call(lambda b: b.heartbeat(lock, scope, ticket_id, lease))
+
+    def release(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
+        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        return self._call(lambda b: b.release(lock, scope, ticket_id))
+
+    def update_activity(self, activity: str | None, clear: bool) -> dict[str, Any]:
+        if (activity is None) == (not clear):
+            raise UsageError("give exactly one of activity (the text) or clear=true")
+        if activity is not None and (not activity.strip() or len(activity) > MAX_ACTIVITY):
+            raise BadValue("activity", activity, f"must be 1 to {MAX_ACTIVITY} characters, not all blank")
+        return self._call(lambda b: b.update_activity(self.identity, activity))
+
+    def status(self, repo: str, lock_name: str | None) -> list[dict[str, Any]]:
+        scope = names.scope(repo)
+        lock = None if lock_name is None else names.lock_name(lock_name)
+        return self._call(lambda b: b.status(scope, lock))
+
+    def verify(self, token_file: str) -> dict[str, Any]:
+        if not token_file or "\0" in token_file:
+            raise BadValue("token_file", token_file, "must be the path of a token file")
+        # Only the path given counts: never a token from the server's own environment.
+        return guard.verify(token_file, env={ENV_LOCK_DIR: self.lock_dir}).as_dict()
+
+
+def build_server(ops: Ops) -> "MCPServer[Any]":
+    import anyio.to_thread
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+    from mcp.types import CallToolResult, TextContent
+    from pydantic import Field
+
+    async def run(work: Callable[..., _T], *args: Any) -> _T:
+        # The backend blocks (acquire up to wait_seconds): a worker thread keeps the
+        # event loop serving other calls, a heartbeat of another ticket included.
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(work, *args))
+        except PearingError as exc:
+            # A ToolError is the SDK's anticipated failure: is_error=True with this text.
+            raise ToolError(str(exc)) from exc
+
+    Repo = Annotated[str, Field(description="Scope of lock names, e.g. teams/platform/website.")]
+    LockName = Annotated[str, Field(description="Lock name, e.g. thread-work.42 for thread #42.")]
+    TicketId = Annotated[str, Field(description="Ticket id returned by acquire_lock.")]
+    Lease = Annotated[float, Field(description="Lease length in seconds; heartbeat within it or lose the lock.")]
+
+    server: MCPServer[Any] = MCPServer(
+        name=PROG,
+        version=__version__,
+        # Quiet like the other front ends: a refused call is the caller's answer, not a log line.
+        log_level="WARNING",
+        instructions=(
+            "Single-flight locks: acquire_lock before a contested step, heartbeat while working, "
+            "release_lock_ticket when done. A ticket in state 'waiting' keeps its FIFO place while "
+            "you retry acquire_lock with the same request_uuid or heartbeat it."
+        ),
+    )
+
+    @server.tool(description="Take a lock or queue for it in FIFO order; returns the ticket, held or waiting.")
+    async def acquire_lock(
+        repo: Repo = DEFAULT_SCOPE,
+        *,
+        lock_name: LockName,
+        request_uuid: Annotated[
+            str, Field(description="Idempotency key: reuse it for every retry of this one acquisition.")
+        ],
+        lease_seconds: Lease = DEFAULT_LEASE_SECONDS,
+        wait_seconds: Annotated[
+            float, Field(description="Wait in line up to this many seconds; 0 returns at once.")
+        ] = 0.0,
+    ) -> dict[str, Any]:
+        return await run(ops.acquire, repo, lock_name, request_uuid, lease_seconds, wait_seconds)
+
+    @server.tool(description="Show one ticket: state, fence, lease expiry, holder, queue position.")
+    async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
+        return await run(ops.get, repo, lock_name, ticket_id)
+
+    @server.tool(description="Renew the lease of a held or waiting ticket; an error means you lost it: stop.")
+    async def heartbeat_lock_ticket(
+        repo: Repo, lock_name: LockName, ticket_id: TicketId, lease_seconds: Lease = DEFAULT_LEASE_SECONDS
+    ) -> dict[str, Any]:
+        return await run(ops.heartbeat, repo, lock_name, ticket_id, lease_seconds)
+
+    @server.tool(description="Release a held ticket or leave the queue; idempotent.")
+    async def release_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
+        return await run(ops.release, repo, lock_name, ticket_id)
+
+    @server.tool(description="Set (activity) or clear (clear=true) what this identity is doing, shown on its tickets.")
+    async def update_user_activity(
+        activity: Annotated[str | None, Field(description="What you are doing, 1 to 1000 characters.")] = None,
+        clear: Annotated[bool, Field(description="Clear the activity instead.")] = False,
+    ) -> dict[str, Any]:
+        return await run(ops.update_activity, activity, clear)
+
+    @server.tool(description="Who holds what in a scope: holder, fence, lease left, waiters in order.")
+    async def list_locks(
+        repo: Repo = DEFAULT_SCOPE,
+        lock_name: Annotated[str | None, Field(description="Only this lock.")] = None,
+    ) -> Annotated[CallToolResult, list[dict[str, Any]]]:
+        locks = await run(ops.status, repo, lock_name)
+        # One JSON list, as pearing-cli status prints it (the SDK's default splits a list
+        # into one text block per item, and none at all for an empty list).
+        return CallToolResult(
+            content=[TextContent(type="text", text=json.dumps(locks, indent=2))],
+            structured_content={"result": locks},
+        )
+
+    @server.tool(description="Whether a token file belongs to the live holder of its lock right now (ok, reason).")
+    async def verify_token(
+        token_file: Annotated[str, Field(description="Path of the token file (token_file of a held ticket).")],
+    ) -> dict[str, Any]:
+        return await run(ops.verify, token_file)
+
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    log = Log(PROG)
+    try:
+        values, rest = parse(sys.argv[1:] if argv is None else argv, OPTIONS, positional=True)
+        if rest:
+            raise UsageError(f"unexpected argument {rest[0]!r} (see --help)")
+        if values.get("help"):
+            sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS))
+            return 0
+        if values.get("version"):
+            sys.stdout.write(f"{PROG} {__version__}\n")
+            return 0
+        lock_dir, ident = values.get("lock_dir"), values.get("identity")
+        ops = Ops(
+            resolve_lock_dir(None if lock_dir is None else str(lock_dir)),
+            identity.resolve(None if ident is None else str(ident)),
+        )
+        ops.check()
+    except PearingError as exc:
+        log.error(str(exc))
+        return int(exc.exit_code)
+    try:
+        build_server(ops).run("stdio")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
