@@ -25,12 +25,12 @@ def lock_name(value: str, what: str = "lock name") -> str:
     return value
 
 
-def scope(value: str) -> str:
+def scope(value: str, what: str = "scope") -> str:
     if not value or len(value) > MAX_SCOPE:
-        raise BadValue("scope", value, f"must be 1 to {MAX_SCOPE} characters")
+        raise BadValue(what, value, f"must be 1 to {MAX_SCOPE} characters")
     for seg in value.split("/"):
         if not seg or seg in (".", "..") or not set(seg) <= _NAME_CHARS:
-            raise BadValue("scope", value, "segments of [A-Za-z0-9._-] joined by '/', none empty, '.' or '..'")
+            raise BadValue(what, value, "segments of [A-Za-z0-9._-] joined by '/', none empty, '.' or '..'")
     return value
 
 

@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.error(str(exc))
         return int(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
+        log.error(f"internal error (a bug, please report it): {exc!r}")
+        return int(ExitCode.SOFTWARE)
 
 
 if __name__ == "__main__":

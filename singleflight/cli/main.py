@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     except ClickException as exc:
         log.error(exc.format_message())
         return int(ExitCode.USAGE)
+    except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
+        log.error(f"internal error (a bug, please report it): {exc!r}")
+        return int(ExitCode.SOFTWARE)
     return rv if isinstance(rv, int) else 0
 
 

@@ -6,7 +6,13 @@ import itertools
 import sys
 
 from singleflight import __version__, identity, names
-from singleflight._const import DEFAULT_DEDUPE_WINDOW, DEFAULT_KILL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE
+from singleflight._const import (
+    DEFAULT_DEDUPE_WINDOW,
+    DEFAULT_KILL_GRACE,
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_SCOPE,
+    ExitCode,
+)
 from singleflight._log import FORMATS, Log
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.errors import BadValue, PearingError, UsageError
@@ -41,6 +47,12 @@ def _opt_str(values: dict[str, object], key: str) -> str | None:
     return None if v is None else str(v)
 
 
+def _opt(values: dict[str, object], key: str, default: object) -> str:
+    """The flag's value, or ``default`` only when the flag is absent (``--repo=`` is a bad scope)."""
+    v = values.get(key)
+    return str(default) if v is None else str(v)
+
+
 def build_options(argv: list[str]) -> RunOptions:
     values, command = parse(argv, OPTIONS, positional=False)
     if values.get("help"):
@@ -54,28 +66,26 @@ def build_options(argv: list[str]) -> RunOptions:
         raise UsageError("--job NAME is required")
     if not command:
         raise UsageError("no COMMAND given (put it after --)")
-    heartbeat = _opt_str(values, "heartbeat") or "auto"
+    heartbeat = _opt(values, "heartbeat", "auto")
     if heartbeat not in ("auto", "manual"):
         raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
-    log_format = _opt_str(values, "log_format") or "text"
+    log_format = _opt(values, "log_format", "text")
     if log_format not in FORMATS:
         raise BadValue("--log-format", log_format, "must be text or json")
     max_runtime = _opt_str(values, "max_runtime")
     request_uuid = _opt_str(values, "request_uuid")
     return RunOptions(
         job=names.lock_name(job, "--job"),
-        repo=names.scope(_opt_str(values, "repo") or DEFAULT_SCOPE),
-        lease_seconds=names.seconds(
-            _opt_str(values, "lease") or DEFAULT_LEASE_SECONDS, "--lease-seconds", allow_zero=False
-        ),
-        wait_seconds=names.seconds(_opt_str(values, "wait") or 0, "--wait-seconds"),
+        repo=names.scope(_opt(values, "repo", DEFAULT_SCOPE), "--repo scope"),
+        lease_seconds=names.seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS), "--lease-seconds", allow_zero=False),
+        wait_seconds=names.seconds(_opt(values, "wait", 0), "--wait-seconds"),
         heartbeat_auto=heartbeat == "auto",
         max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),
-        kill_grace=names.seconds(_opt_str(values, "kill_grace") or DEFAULT_KILL_GRACE, "--kill-grace"),
+        kill_grace=names.seconds(_opt(values, "kill_grace", DEFAULT_KILL_GRACE), "--kill-grace"),
         request_uuid=None if request_uuid is None else names.request_uuid(request_uuid),
-        dedupe_window=names.seconds(_opt_str(values, "dedupe_window") or DEFAULT_DEDUPE_WINDOW, "--dedupe-window"),
-        skip_if=_opt_str(values, "skip_if"),
-        busy_exit_code=names.exit_status(_opt_str(values, "busy_code") or 75),
+        dedupe_window=names.seconds(_opt(values, "dedupe_window", DEFAULT_DEDUPE_WINDOW), "--dedupe-window"),
+        skip_if=_skip_if(_opt_str(values, "skip_if")),
+        busy_exit_code=names.exit_status(_opt(values, "busy_code", 75)),
         identity=identity.resolve(_opt_str(values, "identity")),
         lock_dir=resolve_lock_dir(_opt_str(values, "lock_dir")),
         verbose=bool(values.get("verbose")),
@@ -89,6 +99,12 @@ def _pair(args: list[str], flag: str, value: str) -> bool:
     return any(a == flag and b == value for a, b in itertools.pairwise(head))
 
 
+def _skip_if(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise BadValue("--skip-if", value, "must be a shell command")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     # Errors before parsing finishes still honour --log-format json.
@@ -100,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
+        log.error(f"internal error (a bug, please report it): {exc!r}")
+        return int(ExitCode.SOFTWARE)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Fixtures: a private lock dir, the environment for pearing-run, and a process reaper."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import MARKER_VAR, Procs
+
+from singleflight._const import ENV_FAULT, ENV_LOCK_DIR
+
+
+@pytest.fixture
+def lock_dir(tmp_path: Path) -> Path:
+    """This test's lock dir; it does not exist until pearing-run creates it."""
+    return tmp_path / "lockdir"
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    """Where COMMANDs write their marker and gate files."""
+    d = tmp_path / "work"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def env(lock_dir: Path) -> dict[str, str]:
+    """os.environ with PEARING_LOCK_DIR set to this test's lock dir and no fault injection.
+
+    Any other PEARING_* variable (a test run from inside a pearing-run COMMAND) is
+    dropped too, so nothing leaks in from the caller.
+    """
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PEARING_")}
+    e.pop(ENV_FAULT, None)
+    e[ENV_LOCK_DIR] = str(lock_dir)
+    e[MARKER_VAR] = uuid.uuid4().hex
+    return e
+
+
+@pytest.fixture
+def procs(env: dict[str, str], tmp_path: Path, lock_dir: Path) -> Iterator[Procs]:
+    """Start processes through this; at teardown every one still alive is killed and reaped,
+    with COMMAND's process group, its children and the detached holder."""
+    p = Procs(env, tmp_path, lock_dir)
+    try:
+        yield p
+    finally:
+        p.cleanup()

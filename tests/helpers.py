@@ -1,0 +1,285 @@
+"""Shared helpers for the pearing-run tests: real processes, file/pipe synchronisation.
+
+Nothing here waits with a bare sleep: every wait is ``wait_for`` (10 ms polls,
+hard timeout, fails the test with a message) or a blocking read/wait on a
+process the test started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BIN_DIR = os.path.dirname(sys.executable)
+PEARING_RUN = os.path.join(BIN_DIR, "pearing-run")
+PEARING_CLI = os.path.join(BIN_DIR, "pearing-cli")
+PEARING_GUARD = os.path.join(BIN_DIR, "pearing-guard")
+
+# Every process a test starts inherits this variable (pearing-run passes its
+# environment on to the holder, COMMAND and COMMAND's children), so teardown
+# can find and kill exactly the processes of that one test.
+MARKER_VAR = "SINGLEFLIGHT_TEST_MARKER"
+
+POLL = 0.01
+
+
+def q(value: object) -> str:
+    """Shell-quote a path or word for a ``sh -c`` script."""
+    return shlex.quote(str(value))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` every 10 ms; return its first truthy value, or fail the test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(POLL)  # the poll interval of wait_for itself, never a wait on its own
+
+
+def read_line_file(path: Path) -> str | None:
+    """The content of a file written with ``echo ... > path``, once it is complete."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return text if text.endswith("\n") else None
+
+
+def wait_line(path: Path, timeout: float = 10.0) -> str:
+    """Wait until a COMMAND has written a complete line file; return it stripped."""
+    return str(wait_for(lambda: read_line_file(path), timeout, f"{path.name} to be written")).strip()
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` (None if there is no such process)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return data[data.rindex(b")") + 2 :].split()[0].decode()
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as dead)."""
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def proc_fd_targets(pid: int) -> list[str]:
+    """What the open fds of ``pid`` point at (readlink of /proc/PID/fd/*)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+    return out
+
+
+def pipe_id(fileobj: Any) -> str:
+    """How /proc shows the pipe behind ``fileobj`` in another process's fd table."""
+    return f"pipe:[{os.fstat(fileobj.fileno()).st_ino}]"
+
+
+# -- the lock dir layout (see singleflight/store.py) ---------------------------------------
+
+
+def store_dir(lock_dir: Path, job: str, repo: str = "default") -> Path:
+    return lock_dir.joinpath("locks", *repo.split("/"), "@" + job)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def ticket_records(lock_dir: Path, job: str, sub: str = "tickets", repo: str = "default") -> list[dict[str, Any]]:
+    d = store_dir(lock_dir, job, repo) / sub
+    out = []
+    if d.is_dir():
+        for p in sorted(d.glob("*.json")):
+            rec = read_json(p)
+            if rec is not None:
+                out.append(rec)
+    return out
+
+
+def ticket_record(lock_dir: Path, job: str, ticket_id: str, repo: str = "default") -> tuple[str, dict[str, Any]] | None:
+    """(``tickets`` or ``ended``, record) for one ticket, live record first."""
+    for sub in ("tickets", "ended"):
+        rec = read_json(store_dir(lock_dir, job, repo) / sub / f"{ticket_id}.json")
+        if rec is not None:
+            return sub, rec
+    return None
+
+
+def all_files(root: Path) -> list[Path]:
+    return [Path(dirpath, name) for dirpath, _dirs, files in os.walk(root) for name in files]
+
+
+def tree(root: Path) -> set[str]:
+    """Every path (dirs and files) below ``root``, relative."""
+    out = set()
+    for dirpath, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            out.add(os.path.relpath(os.path.join(dirpath, name), root))
+    return out
+
+
+# -- a gate a blocking COMMAND waits at ------------------------------------------------------
+
+
+class Gate:
+    """``ready`` is touched by COMMAND when it is running; COMMAND blocks until ``go`` exists."""
+
+    def __init__(self, directory: Path, name: str = "gate") -> None:
+        self.ready = directory / f"{name}.ready"
+        self.go = directory / f"{name}.go"
+
+    def script(self) -> str:
+        """The sh fragment: announce, then block on a file the test controls."""
+        return f"touch {q(self.ready)}; while [ ! -e {q(self.go)} ]; do sleep 0.01; done"
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        wait_for(self.ready.exists, timeout, f"COMMAND to reach {self.ready.name}")
+
+    def open(self) -> None:
+        self.go.touch()
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: bytes, stderr: bytes, elapsed: float) -> None:
+        self.returncode, self.stdout, self.stderr, self.elapsed = returncode, stdout, stderr, elapsed
+
+    @property
+    def err_lines(self) -> list[str]:
+        return self.stderr.decode(errors="replace").splitlines()
+
+    def __repr__(self) -> str:
+        return (
+            f"Result(rc={self.returncode}, elapsed={self.elapsed:.3f}s, "
+            f"stdout={self.stdout[-2000:]!r}, stderr={self.stderr[-2000:]!r})"
+        )
+
+
+class Procs:
+    """Starts processes for one test and leaves none of them running afterwards."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, lock_dir: Path) -> None:
+        self.env, self.cwd, self.lock_dir = env, cwd, lock_dir
+        self.marker = f"{MARKER_VAR}={env[MARKER_VAR]}".encode()
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.started: dict[int, float] = {}
+
+    def start(
+        self,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        stdin: Any = subprocess.DEVNULL,
+        stdout: Any = subprocess.PIPE,
+        stderr: Any = subprocess.PIPE,
+    ) -> subprocess.Popen[bytes]:
+        started = time.monotonic()
+        p = subprocess.Popen(
+            list(args),
+            env=self.env if env is None else env,
+            cwd=self.cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        self.popens.append(p)
+        self.started[p.pid] = started
+        return p
+
+    def pr(self, *args: str, **kw: Any) -> subprocess.Popen[bytes]:
+        """Start ``pearing-run ARGS``."""
+        return self.start([PEARING_RUN, *args], **kw)
+
+    def finish(self, p: subprocess.Popen[bytes], timeout: float = 30.0) -> Result:
+        """Wait for exit and EOF on its pipes; elapsed is since start."""
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{p.args!r} did not finish within {timeout:g} s")
+        return Result(p.returncode, out or b"", err or b"", time.monotonic() - self.started[p.pid])
+
+    def run(self, args: Sequence[str], timeout: float = 30.0, **kw: Any) -> Result:
+        return self.finish(self.start(args, **kw), timeout)
+
+    def pr_run(self, *args: str, timeout: float = 30.0, **kw: Any) -> Result:
+        """Run ``pearing-run ARGS`` to the end."""
+        return self.run([PEARING_RUN, *args], timeout=timeout, **kw)
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def _marked_pids(self) -> list[int]:
+        me = os.getpid()
+        out = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                environ = Path(f"/proc/{name}/environ").read_bytes()
+            except OSError:
+                continue
+            if self.marker in environ.split(b"\0") and pid_alive(int(name)):
+                out.append(int(name))
+        return out
+
+    def _holder_pids(self, ours: set[int]) -> Iterable[int]:
+        """Holders named by ticket records, if they are still alive and ours (not a reused pid)."""
+        locks = self.lock_dir / "locks"
+        if not locks.is_dir():
+            return []
+        pids = set()
+        for path in locks.rglob("*.json"):
+            if path.parent.name not in ("tickets", "ended"):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                pid = json.loads(path.read_text()).get("holder_pid")
+                if isinstance(pid, int) and pid > 1:
+                    pids.add(pid)
+        return [pid for pid in pids if pid in ours]
+
+    def cleanup(self) -> None:
+        for p in self.popens:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            marked = set(self._marked_pids())
+            victims = marked | set(self._holder_pids(marked))
+            if not victims:
+                break
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(POLL)  # give the kernel a moment to tear them down, then look again
+        for p in self.popens:
+            with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
+                p.communicate(timeout=5)
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)

@@ -1,0 +1,776 @@
+"""pearing-run, end to end: real processes, a private lock dir per test.
+
+Each test blocks COMMANDs on files the test controls (``Gate``) and waits with
+``wait_for`` (10 ms polls, hard timeout), never with a bare sleep.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import signal
+import stat
+import string
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import (
+    PEARING_CLI,
+    Gate,
+    Procs,
+    all_files,
+    pid_alive,
+    pipe_id,
+    proc_fd_targets,
+    q,
+    read_json,
+    store_dir,
+    ticket_record,
+    ticket_records,
+    tree,
+    wait_for,
+    wait_line,
+)
+
+from singleflight._const import (
+    ENV_FENCE,
+    ENV_LOCK,
+    ENV_LOCK_DIR,
+    ENV_PROMOTED,
+    ENV_REPO,
+    ENV_TICKET,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    ExitCode,
+)
+
+BUSY = int(ExitCode.BUSY)
+USAGE = int(ExitCode.USAGE)
+LEASE_LOST = int(ExitCode.LEASE_LOST)
+NOEXEC = int(ExitCode.NOEXEC)
+NOTFOUND = int(ExitCode.NOTFOUND)
+
+# Dump COMMAND's environment as JSON into argv[1].
+DUMP_ENV = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+
+
+def sh(script: str) -> list[str]:
+    return ["sh", "-c", script]
+
+
+def dump_env(path: Path) -> str:
+    """sh fragment writing COMMAND's environment to ``path`` as JSON (complete before it returns)."""
+    return f"{q(sys.executable)} -c {q(DUMP_ENV)} {q(path)}"
+
+
+def holder_pid_of(lock_dir: Path, job: str, ticket_id: str) -> int:
+    found = ticket_record(lock_dir, job, ticket_id)
+    assert found is not None, f"no ticket record for {ticket_id}"
+    sub, rec = found
+    assert (sub, rec["state"]) == ("tickets", "held"), rec
+    pid = rec["holder_pid"]
+    assert isinstance(pid, int) and pid > 1, rec
+    return pid
+
+
+def wait_waiting(lock_dir: Path, job: str, count: int) -> None:
+    """Wait until ``count`` ticket records in tickets/ are in state waiting (one per queued run)."""
+
+    def waiting() -> bool:
+        return sum(rec.get("state") == "waiting" for rec in ticket_records(lock_dir, job)) == count
+
+    wait_for(waiting, 10, f"{count} waiting ticket record(s) in tickets/")
+
+
+# -- 1. busy skip -------------------------------------------------------------------------------
+
+
+def test_busy_skip_is_fast_and_silent(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    first = procs.pr("--job", "J", "--", *sh(gate.script()))
+    gate.wait_ready()
+
+    second = procs.pr_run("--job", "J", "--", "touch", str(work / "second-ran"))
+    assert second.returncode == BUSY, second
+    assert second.elapsed < 1.0, second
+    assert second.stdout == b"", second
+    assert second.stderr == b"", second
+    assert not (work / "second-ran").exists()
+
+    for code in ("0", "3"):
+        r = procs.pr_run("--job", "J", "--busy-exit-code", code, "--", "touch", str(work / f"ran-{code}"))
+        assert r.returncode == int(code), r
+        assert (r.stdout, r.stderr) == (b"", b""), r
+        assert not (work / f"ran-{code}").exists(), "COMMAND ran although the lock was busy"
+
+    bad = procs.pr_run("--job", "J", "--busy-exit-code", "256", "--", "touch", str(work / "ran-256"))
+    assert bad.returncode == USAGE, bad
+    assert len(bad.err_lines) == 1 and "256" in bad.err_lines[0], bad
+    assert not (work / "ran-256").exists()
+
+    gate.open()
+    r = procs.finish(first)
+    assert r.returncode == 0, r
+
+
+# -- 2. environment and token file ------------------------------------------------------------
+
+
+def test_command_environment_and_token_file(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    envfile = work / "env.json"
+    p = procs.pr("--job", "J", "--repo", "teams/web", "--", *sh(f"{dump_env(envfile)}; {gate.script()}"))
+    gate.wait_ready()
+    seen = read_json(envfile)
+    assert seen is not None
+
+    assert seen[ENV_LOCK] == "J"
+    assert seen[ENV_REPO] == "teams/web"
+    assert seen[ENV_LOCK_DIR] == str(lock_dir)
+    assert stat.S_IMODE(lock_dir.stat().st_mode) == 0o700, "the lock dir must be created 0700"
+    assert seen[ENV_PROMOTED] == "0"
+    assert seen[ENV_FENCE] == "1"
+    ticket = seen[ENV_TICKET]
+    assert str(uuid.UUID(ticket)) == ticket.lower()
+    token = seen[ENV_TOKEN]
+    assert len(token) >= 32 and set(token.lower()) <= set(string.hexdigits.lower()), token
+
+    token_file = Path(seen[ENV_TOKEN_FILE])
+    st = token_file.lstat()
+    assert stat.S_ISREG(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    body = json.loads(token_file.read_text())
+    assert body["lock"] == "J"
+    assert body["repo"] == "teams/web"
+    assert body["ticket"] == ticket
+    assert body["fence"] == 1
+    assert body["token"] == token
+    assert isinstance(body["lease_expires_at"], str) and body["lease_expires_at"], body
+
+    # While held: the raw token is in the token file and nowhere else in the lock dir.
+    others = [f for f in all_files(lock_dir) if f != token_file]
+    assert others, "expected ticket records in the lock dir"
+    leaks = [str(f) for f in others if token.encode() in f.read_bytes()]
+    assert leaks == [], f"raw token stored in {leaks}"
+
+    gate.open()
+    r = procs.finish(p)
+    assert r.returncode == 0, r
+    assert not token_file.exists(), "token file left behind after the run"
+    leaks = [str(f) for f in all_files(lock_dir) if token.encode() in f.read_bytes()]
+    assert leaks == [], f"raw token stored in {leaks} after the run"
+
+
+# -- 3. fences --------------------------------------------------------------------------------
+
+
+def test_fences_strictly_increase_and_persist(procs: Procs, work: Path) -> None:
+    def fence_of_run(job: str, name: str) -> int:
+        out = work / name
+        r = procs.pr_run("--job", job, "--", *sh(f"echo ${ENV_FENCE} > {q(out)}"))
+        assert r.returncode == 0, r
+        return int(out.read_text())
+
+    assert [fence_of_run("J", f"f{i}") for i in range(3)] == [1, 2, 3]
+    # A fresh pearing-run process against the same lock dir continues from disk.
+    assert fence_of_run("J", "f3") == 4
+    # Fences are per lock: another job starts its own sequence.
+    assert fence_of_run("K", "k0") == 1
+    assert fence_of_run("J", "f4") == 5
+
+
+def test_everything_released_before_the_wrapper_exits(procs: Procs, work: Path, lock_dir: Path) -> None:
+    """SPEC 6: ticket released, token file removed, lock free, and only then pearing-run exits."""
+    lock_file = store_dir(lock_dir, "J") / "lock"
+    for i in range(5):
+        envfile = work / f"env{i}.json"
+        r = procs.pr_run("--job", "J", "--", *sh(dump_env(envfile)))
+        # Checked the moment the wrapper is gone: nothing may still be in flight.
+        fd = os.open(lock_file, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while held
+        finally:
+            os.close(fd)
+        assert r.returncode == 0, r
+        seen = read_json(envfile)
+        assert seen is not None
+        assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file still there after pearing-run exited"
+        found = ticket_record(lock_dir, "J", seen[ENV_TICKET])
+        assert found is not None and found[0] == "ended" and found[1]["state"] == "released", found
+        assert ticket_records(lock_dir, "J") == [], "a live ticket left after the run"
+
+
+def test_wrapper_waits_for_a_slow_release(procs: Procs, work: Path, lock_dir: Path) -> None:
+    """Release is held up (a guarded side effect in flight holds guard.lock shared, as
+    pearing-guard exec does): pearing-run must not return before the release is done."""
+    gate, envfile = Gate(work), work / "env.json"
+    p = procs.pr("--job", "J", "--", *sh(f"{dump_env(envfile)}; {gate.script()}"))
+    gate.wait_ready()
+    seen = read_json(envfile)
+    assert seen is not None
+    guard = os.open(store_dir(lock_dir, "J") / "guard.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_SH)
+        gate.open()
+        # COMMAND ends now; with the release blocked the wrapper has to keep waiting.
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=1.0)
+    finally:
+        os.close(guard)
+    r = procs.finish(p)
+    assert r.returncode == 0, r
+    found = ticket_record(lock_dir, "J", seen[ENV_TICKET])
+    assert found is not None and found[1]["state"] == "released", found
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+# -- 4. exit status passthrough -----------------------------------------------------------------
+
+
+def test_exit_status_passthrough(procs: Procs) -> None:
+    cases = [("exit 3", 3), ("kill -9 $$", 128 + signal.SIGKILL), ("kill -TERM $$", 128 + signal.SIGTERM)]
+    for script, want in cases:
+        r = procs.pr_run("--job", "J", "--", *sh(script))
+        assert r.returncode == want, (script, r)
+        assert r.stderr == b"", (script, r)
+
+
+def test_signals_are_forwarded_to_command(procs: Procs, work: Path) -> None:
+    gate, sigs = Gate(work), work / "sigs"
+    traps = "; ".join(f"trap 'echo {name} >> {q(sigs)}' {name}" for name in ("HUP", "INT", "QUIT", "USR1", "USR2"))
+    script = f"{traps}; trap 'echo TERM >> {q(sigs)}; exit 7' TERM; {gate.script()}"
+    p = procs.pr("--job", "J", "--", *sh(script))
+    gate.wait_ready()
+    got: list[str] = []
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        p.send_signal(sig)
+        got.append(sig.name[3:])
+        wait_for(lambda: sigs.exists() and sigs.read_text().split() == got, 10, f"COMMAND to trap {sig.name}")
+    p.send_signal(signal.SIGTERM)
+    r = procs.finish(p)
+    assert r.returncode == 7, r  # COMMAND's own status: the wrapper survived and passed TERM on
+    assert sigs.read_text().split() == [*got, "TERM"]
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+def test_command_not_found_releases_lock(procs: Procs, work: Path) -> None:
+    for missing in ("/nonexistent/pearing-no-such-command", "pearing-no-such-command-xyz"):
+        r = procs.pr_run("--job", "J", "--", missing, "arg")
+        assert r.returncode == NOTFOUND, r
+        assert len(r.err_lines) == 1, r
+        assert missing in r.err_lines[0], r
+        assert r.stdout == b"", r
+        after = procs.pr_run("--job", "J", "--", "touch", str(work / "after"))
+        assert after.returncode == 0, after
+        assert (work / "after").exists()
+        (work / "after").unlink()
+
+
+def test_command_not_executable_releases_lock(procs: Procs, work: Path) -> None:
+    script = work / "not-executable.sh"
+    script.write_text("#!/bin/sh\ntouch ran\n")
+    script.chmod(0o644)
+    r = procs.pr_run("--job", "J", "--", str(script))
+    assert r.returncode == NOEXEC, r
+    assert len(r.err_lines) == 1 and str(script) in r.err_lines[0], r
+    after = procs.pr_run("--job", "J", "--", "true")
+    assert after.returncode == 0, after
+
+
+# -- 5. quiet by default ------------------------------------------------------------------------
+
+
+def test_quiet_by_default_and_verbose_lifecycle(procs: Procs, work: Path) -> None:
+    r = procs.pr_run("--job", "J", "--", *sh("echo out-line; echo err-line >&2"))
+    assert r.returncode == 0, r
+    assert r.stdout == b"out-line\n", r
+    assert r.stderr == b"err-line\n", r
+
+    fence_out = work / "fence"
+    v = procs.pr_run("-v", "--job", "J", "--", *sh(f"echo out-line; echo ${ENV_FENCE} > {q(fence_out)}"))
+    assert v.returncode == 0, v
+    assert v.stdout == b"out-line\n", v
+    fence = fence_out.read_text().strip()
+    acquired = [line for line in v.err_lines if line.startswith("pearing-run: acquired")]
+    released = [line for line in v.err_lines if line.startswith("pearing-run: released")]
+    assert len(acquired) == 1, v
+    assert f"fence={fence}" in acquired[0].split(), v
+    assert len(released) == 1, v
+    assert v.err_lines.index(acquired[0]) < v.err_lines.index(released[0]), v
+    assert all(line.startswith("pearing-run: ") for line in v.err_lines), v
+
+
+# -- 6. bad input -----------------------------------------------------------------------------
+
+LONG_JOB = "j" * 129
+LONG_REPO = "r" * 201
+BAD_INPUTS = [
+    # (arguments, substrings the one error line must contain)
+    (["--job", "../x", "--", "true"], ["../x"]),
+    (["--job", "", "--", "true"], ["--job"]),
+    (["--job=-x", "--", "true"], ["-x"]),
+    (["--job", "a/b", "--", "true"], ["a/b"]),
+    (["--job", LONG_JOB, "--", "true"], [LONG_JOB]),
+    (["--job", "J", "--repo", "a//b", "--", "true"], ["a//b"]),
+    (["--job", "J", "--repo", "../x", "--", "true"], ["../x"]),
+    (["--job", "J", "--repo", "/abs", "--", "true"], ["/abs"]),
+    (["--job", "J", "--repo", "a/./b", "--", "true"], ["a/./b"]),
+    (["--job", "J", "--repo", LONG_REPO, "--", "true"], [LONG_REPO]),
+    (["--job", "J", "--lease-seconds", "0", "--", "true"], ["--lease-seconds", "0"]),
+    (["--job", "J", "--lease-seconds", "-1", "--", "true"], ["--lease-seconds", "-1"]),
+    (["--job", "J", "--lease-seconds", "abc", "--", "true"], ["--lease-seconds", "abc"]),
+    (["--job", "J", "--lease-seconds", "nan", "--", "true"], ["--lease-seconds", "nan"]),
+    (["--job", "J", "--wait-seconds", "-1", "--", "true"], ["--wait-seconds", "-1"]),
+    (["--job", "J", "--request-uuid", "not-a-uuid", "--", "true"], ["not-a-uuid"]),
+    (["--job", "J", "--heartbeat", "sometimes", "--", "true"], ["sometimes"]),
+    (["--job", "J", "--busy-exit-code", "300", "--", "true"], ["300"]),
+    (["--job", "J", "--frobnicate", "--", "true"], ["--frobnicate"]),
+    (["--job", "J"], ["COMMAND"]),
+    (["--job", "J", "--"], ["COMMAND"]),
+    (["--", "true"], ["--job"]),
+]
+
+
+# Not in the issue's list, but the same rule (SPEC: "every bad ... number ... exit 64"):
+# an empty value must not silently mean "the default".
+EMPTY_VALUES = [
+    (["--job", "J", f"{flag}=", "--", "true"], [flag])
+    for flag in (
+        "--repo",
+        "--lease-seconds",
+        "--wait-seconds",
+        "--busy-exit-code",
+        "--kill-grace",
+        "--dedupe-window",
+        "--heartbeat",
+    )
+]
+
+
+def _case_id(args: list[str]) -> str:
+    return " ".join(("''" if not a else a if len(a) <= 20 else f"{a[0]}*{len(a)}") for a in args)
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"), [pytest.param(a, n, id=_case_id(a)) for a, n in BAD_INPUTS + EMPTY_VALUES]
+)
+def test_bad_input_exits_64_with_one_line_and_creates_nothing(
+    procs: Procs, tmp_path: Path, lock_dir: Path, args: list[str], needles: list[str]
+) -> None:
+    before = tree(tmp_path)
+    r = procs.pr_run("--lock-dir", str(lock_dir), *args)
+    assert r.returncode == USAGE, r
+    assert len(r.err_lines) == 1, r
+    assert all(n.lower() in r.err_lines[0].lower() for n in needles), (needles, r)
+    assert r.stdout == b"", r
+    assert not lock_dir.exists(), "the lock dir was created"
+    assert tree(tmp_path) == before, f"created {sorted(tree(tmp_path) - before)}"
+
+
+# -- 7. heartbeats ------------------------------------------------------------------------------
+
+
+def test_manual_heartbeat_keeps_the_lease(procs: Procs) -> None:
+    # Heartbeat every ~0.3 s for ~3 s with a 1.5 s lease: the lease must outlive its first period.
+    script = (
+        "end=$(( $(date +%s%N) + 3000000000 )); "
+        "while [ $(date +%s%N) -lt $end ]; do "
+        f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 1.5 >/dev/null || exit 9; "
+        "sleep 0.3; done"
+    )
+    r = procs.pr_run("--job", "J", "--heartbeat", "manual", "--lease-seconds", "1.5", "--", *sh(script))
+    assert r.returncode == 0, r
+    assert r.elapsed >= 3.0, r
+
+
+TRAP_RECORD = """
+import json, os, sys
+store = os.path.join(os.environ["PEARING_LOCK_DIR"], "locks", "default", "@" + os.environ["PEARING_LOCK"])
+name = os.environ["PEARING_TICKET"] + ".json"
+def state(sub):
+    try:
+        with open(os.path.join(store, sub, name)) as f:
+            return json.load(f)["state"]
+    except FileNotFoundError:
+        return None
+out = {"live": state("tickets"), "ended": state("ended"),
+       "token_file": os.path.exists(os.environ["PEARING_TOKEN_FILE"])}
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump(out, f)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+"""
+
+
+def test_missed_heartbeat_expires_before_sigterm(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    seen = work / "at-term.json"
+    trap = f"{q(sys.executable)} -c {q(TRAP_RECORD)} {q(seen)}; exit 0"
+    script = f"trap {q(trap)} TERM; {gate.script()}"
+    p = procs.pr("--job", "J", "--heartbeat", "manual", "--lease-seconds", "1", "--", *sh(script))
+    gate.wait_ready()
+    r = procs.finish(p, timeout=20)
+    assert r.returncode == LEASE_LOST, r
+    assert 0.9 <= r.elapsed < 6.0, r
+    at_term = read_json(seen)
+    assert at_term is not None, "COMMAND got no SIGTERM (its trap did not run)"
+    assert at_term["live"] != "held", at_term
+    assert at_term["ended"] == "expired", at_term
+    assert at_term["token_file"] is False, at_term
+    after = procs.pr_run("--job", "J", "--", "true")
+    assert after.returncode == 0, after
+
+
+# -- 8. max runtime and kill grace ------------------------------------------------------------
+
+
+def test_max_runtime_stops_command(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    r = procs.pr_run("--job", "J", "--max-runtime", "1", "--", *sh(gate.script()))
+    assert r.returncode == LEASE_LOST, r
+    assert 1.0 <= r.elapsed <= 4.0, r
+    assert gate.ready.exists()
+    after = procs.pr_run("--job", "J", "--", "true")
+    assert after.returncode == 0, after
+
+
+def test_kill_grace_then_sigkill(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    pid_file, term_file = work / "pid", work / "term"
+    # The trap notes when TERM arrived and carries on: only SIGKILL can stop it.
+    script = f"trap 'date +%s.%N > {q(term_file)}' TERM; echo $$ > {q(pid_file)}; {gate.script()}"
+    p = procs.pr("--job", "J", "--max-runtime", "1", "--kill-grace", "1", "--", *sh(script))
+    gate.wait_ready()
+    cmd_pid = int(wait_line(pid_file))
+    r = procs.finish(p, timeout=20)
+    ended = time.time()
+    assert r.returncode == LEASE_LOST, r
+    term_at = float(wait_line(term_file))
+    assert 0.8 <= ended - term_at <= 5.0, f"exit {ended - term_at:.3f} s after SIGTERM; {r!r}"
+    assert 2.0 <= r.elapsed <= 7.0, r
+    assert not pid_alive(cmd_pid), "COMMAND survived"
+
+
+# -- 9. wrapper killed -------------------------------------------------------------------------
+
+
+def test_wrapper_killed_holder_keeps_lock_until_command_ends(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    envfile = work / "env.json"
+    p = procs.pr("--job", "J", "--", *sh(f"{dump_env(envfile)}; {gate.script()}"))
+    gate.wait_ready()
+    seen = read_json(envfile)
+    assert seen is not None
+    ticket = seen[ENV_TICKET]
+    holder = holder_pid_of(lock_dir, "J", ticket)
+    assert holder != p.pid
+
+    p.kill()
+    p.wait(timeout=10)
+
+    # Held for a whole second after the wrapper died: a waiter times out.
+    busy = procs.pr_run("--job", "J", "--wait-seconds", "1", "--", "touch", str(work / "busy-ran"))
+    assert busy.returncode == BUSY, busy
+    assert busy.elapsed >= 1.0, busy
+    assert not (work / "busy-ran").exists()
+    assert pid_alive(holder)
+    found = ticket_record(lock_dir, "J", ticket)
+    assert found is not None and found[1]["state"] == "held", found
+
+    gate.open()
+    wait_for(lambda: not pid_alive(holder), 10, "the holder to release and exit after COMMAND ended")
+    found = ticket_record(lock_dir, "J", ticket)
+    assert found is not None and found[1]["state"] == "released", found
+    fence_out = work / "next-fence"
+    nxt = procs.pr_run("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(fence_out)}"))
+    assert nxt.returncode == 0, nxt
+    assert int(fence_out.read_text()) == int(seen[ENV_FENCE]) + 1
+
+
+# -- 10. holder killed -------------------------------------------------------------------------
+
+
+def test_holder_killed_stops_command(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    envfile, termed = work / "env.json", work / "termed"
+    script = f"trap 'touch {q(termed)}; exit 143' TERM; {dump_env(envfile)}; {gate.script()}"
+    p = procs.pr("--job", "J", "--", *sh(script))
+    gate.wait_ready()
+    seen = read_json(envfile)
+    assert seen is not None
+    ticket = seen[ENV_TICKET]
+    holder = holder_pid_of(lock_dir, "J", ticket)
+    assert holder != p.pid
+
+    os.kill(holder, signal.SIGKILL)
+    r = procs.finish(p, timeout=20)
+    assert r.returncode == LEASE_LOST, r
+    assert r.elapsed < 10.0, r
+    assert termed.exists(), "COMMAND got no SIGTERM"
+    assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file of a dead holder left behind"
+    found = ticket_record(lock_dir, "J", ticket)
+    assert found is not None and found[1]["state"] != "held", found
+
+    fence_out = work / "next-fence"
+    nxt = procs.pr_run("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(fence_out)}"))
+    assert nxt.returncode == 0, nxt
+    assert int(fence_out.read_text()) > int(seen[ENV_FENCE])
+
+
+# -- 11. storm of contenders ------------------------------------------------------------------
+
+
+def test_concurrent_contenders_never_overlap(procs: Procs, work: Path) -> None:
+    n = 24
+    outs = [work / f"c{i}.log" for i in range(n)]
+    ps = []
+    for out in outs:
+        script = (
+            f'echo "start ${ENV_FENCE} $(date +%s%N)" >> {q(out)}; sleep 0.01; '
+            f'echo "end ${ENV_FENCE} $(date +%s%N)" >> {q(out)}'
+        )
+        ps.append(procs.pr("--job", "J", "--wait-seconds", "60", "--", *sh(script)))
+    results = [procs.finish(p, timeout=90) for p in ps]
+    assert [r.returncode for r in results] == [0] * n, [r for r in results if r.returncode]
+
+    intervals = []
+    for out in outs:
+        lines = [line.split() for line in out.read_text().splitlines()]
+        assert [w[0] for w in lines] == ["start", "end"], (out, lines)
+        assert lines[0][1] == lines[1][1]
+        intervals.append((int(lines[0][2]), int(lines[1][2]), int(lines[0][1])))
+    intervals.sort()
+    for (_s1, e1, f1), (s2, _e2, f2) in itertools.pairwise(intervals):
+        assert e1 < s2, f"runs with fences {f1} and {f2} overlapped"
+    fences = [f for _s, _e, f in intervals]
+    assert fences == sorted(set(fences)), f"fences not strictly increasing in start order: {fences}"
+    assert fences == list(range(1, n + 1)), fences
+
+
+# -- 12. waiting in FIFO order ------------------------------------------------------------------
+
+
+def test_waiters_run_in_fifo_order(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    holder_fence = work / "holder-fence"
+    first = procs.pr("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(holder_fence)}; {gate.script()}"))
+    gate.wait_ready()
+    order = work / "order"
+    waiters = []
+    for i in range(5):
+        script = f'echo "{i} ${ENV_FENCE} ${ENV_PROMOTED}" >> {q(order)}'
+        w = procs.pr("--job", "J", "--wait-seconds", "60", "--", *sh(script))
+        wait_waiting(lock_dir, "J", i + 1)
+        waiters.append(w)
+    assert not order.exists(), "a waiter ran while the lock was held"
+
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    results = [procs.finish(w) for w in waiters]
+    assert [r.returncode for r in results] == [0] * 5, results
+    rows = [line.split() for line in order.read_text().splitlines()]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"], rows
+    fences = [int(r[1]) for r in rows]
+    assert fences == sorted(set(fences)) and fences[0] > int(holder_fence.read_text()), rows
+    assert [r[2] for r in rows] == ["1"] * 5, rows
+
+
+def test_wait_seconds_times_out_with_busy(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    first = procs.pr("--job", "J", "--", *sh(gate.script()))
+    gate.wait_ready()
+    r = procs.pr_run("--job", "J", "--wait-seconds", "1", "--", "touch", str(work / "ran"))
+    assert r.returncode == BUSY, r
+    assert 1.0 <= r.elapsed <= 2.5, r
+    assert (r.stdout, r.stderr) == (b"", b""), r
+    assert not (work / "ran").exists()
+    gate.open()
+    assert procs.finish(first).returncode == 0
+
+
+def test_killed_waiter_does_not_stall_queue(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    first = procs.pr("--job", "J", "--", *sh(gate.script()))
+    gate.wait_ready()
+    doomed = procs.pr("--job", "J", "--wait-seconds", "60", "--", "touch", str(work / "doomed-ran"))
+    wait_waiting(lock_dir, "J", 1)
+    out = work / "next"
+    nxt = procs.pr("--job", "J", "--wait-seconds", "60", "--", *sh(f'echo "${ENV_FENCE} ${ENV_PROMOTED}" > {q(out)}'))
+    wait_waiting(lock_dir, "J", 2)
+
+    doomed.kill()
+    doomed.wait(timeout=10)
+    released_at = time.monotonic()
+    gate.open()
+    line = wait_line(out, timeout=10)
+    served_after = time.monotonic() - released_at
+    assert served_after < 1.0, f"next waiter served {served_after:.3f} s after the holder released"
+    fence, promoted = line.split()
+    assert (fence, promoted) == ("2", "1"), line
+    assert not (work / "doomed-ran").exists()
+    assert procs.finish(first).returncode == 0
+    assert procs.finish(nxt).returncode == 0
+
+
+# -- 13. request uuid ---------------------------------------------------------------------------
+
+
+def test_request_uuid_success_is_not_replayed(procs: Procs, work: Path) -> None:
+    u = str(uuid.uuid4())
+    r1 = procs.pr_run("--job", "J", "--request-uuid", u, "--", "touch", str(work / "m1"))
+    assert r1.returncode == 0, r1
+    assert (work / "m1").exists()
+    r2 = procs.pr_run("--job", "J", "--request-uuid", u, "--", "touch", str(work / "m2"))
+    assert r2.returncode == 0, r2
+    assert (r2.stdout, r2.stderr) == (b"", b""), r2
+    assert not (work / "m2").exists(), "a replayed request ran COMMAND again"
+    # A different request still runs.
+    r3 = procs.pr_run("--job", "J", "--request-uuid", str(uuid.uuid4()), "--", "touch", str(work / "m3"))
+    assert r3.returncode == 0, r3
+    assert (work / "m3").exists()
+
+
+def test_request_uuid_failed_run_is_retried_with_larger_fence(procs: Procs, work: Path) -> None:
+    u = str(uuid.uuid4())
+    f1, f2 = work / "f1", work / "f2"
+    r1 = procs.pr_run("--job", "J", "--request-uuid", u, "--", *sh(f"echo ${ENV_FENCE} > {q(f1)}; exit 1"))
+    assert r1.returncode == 1, r1
+    r2 = procs.pr_run("--job", "J", "--request-uuid", u, "--", *sh(f"echo ${ENV_FENCE} > {q(f2)}"))
+    assert r2.returncode == 0, r2
+    assert f2.exists(), "the retry of a failed request did not run"
+    assert int(f2.read_text()) > int(f1.read_text())
+
+
+def test_request_uuid_in_flight_is_busy_and_never_waits_for_itself(procs: Procs, work: Path) -> None:
+    u = str(uuid.uuid4())
+    gate = Gate(work)
+    first = procs.pr("--job", "J", "--request-uuid", u, "--", *sh(gate.script()))
+    gate.wait_ready()
+    dup = procs.pr_run("--job", "J", "--request-uuid", u, "--", "touch", str(work / "dup"))
+    assert dup.returncode == BUSY, dup
+    # Even when it may wait: a request never queues behind itself.
+    dup_wait = procs.pr_run(
+        "--job", "J", "--request-uuid", u, "--wait-seconds", "30", "--", "touch", str(work / "dupw")
+    )
+    assert dup_wait.returncode == BUSY, dup_wait
+    assert dup_wait.elapsed < 2.0, dup_wait
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    assert not (work / "dup").exists() and not (work / "dupw").exists()
+    # And after the first one succeeded, a replay is deduplicated.
+    again = procs.pr_run("--job", "J", "--request-uuid", u, "--", "touch", str(work / "again"))
+    assert again.returncode == 0, again
+    assert not (work / "again").exists()
+
+
+def test_dedupe_window_zero_runs_again(procs: Procs, work: Path) -> None:
+    u = str(uuid.uuid4())
+    for name in ("m1", "m2"):
+        r = procs.pr_run("--job", "J", "--request-uuid", u, "--dedupe-window", "0", "--", "touch", str(work / name))
+        assert r.returncode == 0, r
+        assert (work / name).exists(), f"{name}: COMMAND did not run with --dedupe-window 0"
+
+
+# -- 14. skip-if ------------------------------------------------------------------------------
+
+
+def test_skip_if(procs: Procs, work: Path) -> None:
+    skip_env = work / "skip-env"
+    r = procs.pr_run(
+        "--job",
+        "J",
+        "--skip-if",
+        f"echo ${ENV_FENCE} ${ENV_PROMOTED} > {q(skip_env)}; true",
+        "--",
+        "touch",
+        str(work / "m1"),
+    )
+    assert r.returncode == 0, r
+    assert not (work / "m1").exists(), "COMMAND ran although --skip-if said done"
+    assert skip_env.read_text().split() == ["1", "0"], "skip-if did not get the token environment"
+    r = procs.pr_run("--job", "J", "--skip-if", "false", "--", "touch", str(work / "m2"))
+    assert r.returncode == 0, r
+    assert (work / "m2").exists()
+    # The lock was released after the skip: a plain run gets it.
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+def test_skip_if_sees_promoted(procs: Procs, work: Path, lock_dir: Path) -> None:
+    gate = Gate(work)
+    first = procs.pr("--job", "J", "--", *sh(gate.script()))
+    gate.wait_ready()
+    skip_env, cmd_env = work / "skip-env", work / "cmd-env"
+    w = procs.pr(
+        "--job",
+        "J",
+        "--wait-seconds",
+        "60",
+        "--skip-if",
+        f"echo ${ENV_PROMOTED} > {q(skip_env)}; false",
+        "--",
+        *sh(f"echo ${ENV_PROMOTED} > {q(cmd_env)}"),
+    )
+    wait_waiting(lock_dir, "J", 1)
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    r = procs.finish(w)
+    assert r.returncode == 0, r
+    assert skip_env.read_text().strip() == "1"
+    assert cmd_env.read_text().strip() == "1"
+
+
+# -- 15. no inherited fds -------------------------------------------------------------------------
+
+
+def test_holder_keeps_no_caller_pipes(procs: Procs, work: Path, lock_dir: Path) -> None:
+    quick = procs.pr_run("--job", "J", "--", "true", stdin=subprocess.PIPE)
+    assert quick.returncode == 0, quick
+    assert quick.elapsed < 5.0, quick
+
+    gate = Gate(work)
+    envfile, pid_file = work / "env.json", work / "pid"
+    # COMMAND lets go of the caller's pipes itself: only pearing-run and the holder may still hold them.
+    script = f"exec </dev/null >/dev/null 2>&1; echo $$ > {q(pid_file)}; {dump_env(envfile)}; {gate.script()}"
+    p = procs.pr("--job", "J", "--", *sh(script), stdin=subprocess.PIPE)
+    gate.wait_ready()
+    seen = read_json(envfile)
+    assert seen is not None
+    holder = holder_pid_of(lock_dir, "J", seen[ENV_TICKET])
+    cmd_pid = int(wait_line(pid_file))
+
+    caller_pipes = {pipe_id(p.stdin), pipe_id(p.stdout), pipe_id(p.stderr)}
+    holder_fds = proc_fd_targets(holder)
+    assert holder_fds, "could not read the holder's fds"
+    assert caller_pipes.isdisjoint(holder_fds), f"holder keeps caller pipes open: {holder_fds}"
+    lock_file = str(store_dir(lock_dir, "J") / "lock")
+    assert lock_file in holder_fds, "the holder does not hold the lock file open"
+    cmd_fds = proc_fd_targets(cmd_pid)
+    assert not [t for t in cmd_fds if t.startswith(str(lock_dir))], f"COMMAND inherited lock dir fds: {cmd_fds}"
+
+    # With the wrapper gone the caller's pipes reach EOF at once, while the holder still runs.
+    p.kill()
+    r = procs.finish(p, timeout=5)
+    assert r.returncode == -signal.SIGKILL, r
+    assert pid_alive(holder), "holder died with the wrapper"
+    gate.open()
+    wait_for(lambda: not pid_alive(holder), 10, "the holder to exit after COMMAND ended")
+
+
+def test_background_child_keeps_neither_pipe_nor_lock(procs: Procs, work: Path, lock_dir: Path) -> None:
+    bg = work / "bg.pid"
+    script = f"sleep 30 >/dev/null 2>&1 & echo $! > {q(bg)}"
+    r = procs.pr_run("--job", "J", "--", *sh(script), timeout=5)
+    assert r.returncode == 0, r
+    assert r.elapsed < 5.0, r
+    sleeper = int(wait_line(bg))
+    assert pid_alive(sleeper), "the background child should still be running"
+    assert not [t for t in proc_fd_targets(sleeper) if t.startswith(str(lock_dir))]
+    after = procs.pr_run("--job", "J", "--", "true")
+    assert after.returncode == 0, after
+    assert pid_alive(sleeper)
+    os.kill(sleeper, signal.SIGKILL)
