@@ -71,6 +71,11 @@ def sweep_dead_waiters(store: LockStore) -> int:
 def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
     """Turn ``ticket`` into the held one; returns the token. Caller owns the flock."""
     _fault.point("after-flock")
+    # A guarded side effect of the previous holder may still be in flight if
+    # that holder was killed (-9 skips its own expiry path): wait for it, so
+    # it lands before this holder's fence exists.
+    with guard_exclusive(store):
+        pass
     with store.mutex():
         sweep_previous_holder(store, ticket.ticket_id)
         # The pointer goes first: a kill right after it names a ticket that is not held.

@@ -422,7 +422,7 @@ class Runner:
             code_s, _, msg = line[6:].partition(" ")
             self.log.error(msg)
             return int(code_s)
-        self.log.error("internal error: the lock holder died before taking the lease (a bug)")
+        self.log.error("internal error: the lock holder died before taking the lease (killed?)")
         return int(ExitCode.SOFTWARE)
 
 
