@@ -355,7 +355,7 @@ class Runner:
                         return 128 - code if code < 0 else code
                     chan.fill()
                     for line in chan.lines():
-                        if line.startswith("lost "):
+                        if line.startswith("lost ") and self.lost is None:
                             self.lost = line[5:]
                             self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
                     if chan.eof:
@@ -391,8 +391,9 @@ class Runner:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
         chan.send(f"exited {status}")
         while (line := chan.recv()) is not None and line != "released":
-            if line.startswith("lost "):
+            if line.startswith("lost ") and self.lost is None:
                 self.lost = line[5:]
+                self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
                 exit_code = int(ExitCode.LEASE_LOST)
         if line is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.

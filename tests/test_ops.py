@@ -1,0 +1,272 @@
+"""Operator experience: unit files, log lines, status output, --version, README blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_for
+
+from singleflight import __version__
+from singleflight._const import ExitCode
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+# -- systemd and cron --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_units_verify_clean(tmp_path: Path) -> None:
+    """The shipped units pass systemd-analyze verify once their paths point at an install."""
+    job = tmp_path / "jobs" / "checkin"
+    job.parent.mkdir()
+    job.write_text("#!/bin/sh\nexit 0\n")
+    job.chmod(0o755)
+    units = tmp_path / "units"
+    units.mkdir()
+    for name in ("pearing-run@.service", "pearing-run@.timer"):
+        text = (ROOT / "contrib/systemd" / name).read_text()
+        text = text.replace("/usr/local/bin/pearing-run", PEARING_RUN)
+        text = text.replace("/usr/local/lib/pearing/jobs", str(job.parent))
+        (units / name).write_text(text)
+    service = (units / "pearing-run@.service").read_text()
+    assert "SuccessExitStatus=75" in service
+    grace = int(re.search(r"--kill-grace (\d+)", service).group(1))  # type: ignore[union-attr]
+    assert int(re.search(r"TimeoutStopSec=(\d+)", service).group(1)) > grace  # type: ignore[union-attr]
+    # Instances are what systemd verifies; link them next to the templates.
+    for suffix in ("service", "timer"):
+        (units / f"pearing-run@checkin.{suffix}").symlink_to(units / f"pearing-run@.{suffix}")
+    r = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(units / "pearing-run@checkin.service"),
+         str(units / "pearing-run@checkin.timer")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    problems = [line for line in r.stderr.splitlines() if "pearing" in line]
+    assert r.returncode == 0 and not problems, r.stderr
+
+
+def test_cron_example_hourly_uuid_is_a_valid_request_uuid(procs: Procs, work: Path) -> None:
+    """The crontab's hour-derived request uuid works: the second firing is deduplicated."""
+    line = next(x for x in (ROOT / "contrib/cron/crontab.example").read_text().splitlines() if "hourly-sync" in x)
+    expr = re.search(r'--request-uuid "(\$\(.*\))" --', line).group(1)  # type: ignore[union-attr]
+    expr = expr.replace("\\%", "%")  # crontab escaping
+    uuid = subprocess.run(["sh", "-c", f"echo {expr}"], capture_output=True, text=True, check=True).stdout.strip()
+    marker = work / "ran"
+    cmd = ["--job", "hourly-sync", "--request-uuid", uuid, "--", "sh", "-c", f"echo x >> {q(marker)}"]
+    assert procs.pr_run(*cmd).returncode == 0
+    assert procs.pr_run(*cmd).returncode == 0
+    assert marker.read_text() == "x\n"
+
+
+# -- log lines ---------------------------------------------------------------------------
+
+
+def test_verbose_text_lines_name_each_lifecycle_event(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    holder = procs.pr("-v", "--job", "j", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    waiter = procs.pr("-v", "--job", "j", "--wait-seconds", "20", "--", "true")
+    wait_for(lambda: list((procs.lock_dir / "locks/default/@j/queue").glob("0*")), 10, "the waiter to queue")
+    gate.open()
+    h, w = procs.finish(holder), procs.finish(waiter)
+    assert h.returncode == 0 and w.returncode == 0
+    assert re.fullmatch(
+        r"pearing-run: acquired lock=j repo=default fence=1 ticket=\S+ waited=\S+s promoted=0", h.err_lines[0]
+    )
+    assert re.fullmatch(r"pearing-run: released lock=j ticket=\S+ status=0", h.err_lines[-1])
+    assert re.fullmatch(r"pearing-run: waiting lock=j position=1 max_wait=20s", w.err_lines[0])
+    assert re.fullmatch(r"pearing-run: acquired .* fence=2 .* promoted=1", w.err_lines[1])
+
+
+def test_lease_lost_line_and_json_format(procs: Procs, work: Path) -> None:
+    r = procs.pr_run(
+        "-v", "--log-format", "json", "--job", "j", "--heartbeat", "manual", "--lease-seconds", "0.5",
+        "--kill-grace", "2", "--", "sh", "-c", "while :; do sleep 0.05; done",
+    )  # fmt: skip
+    assert r.returncode == ExitCode.LEASE_LOST
+    events = [json.loads(line) for line in r.err_lines]
+    assert [e["event"] for e in events] == ["acquired", "lease-lost"]
+    assert events[0]["prog"] == "pearing-run" and events[0]["fence"] == 1 and events[0]["ts"].endswith("Z")
+    assert events[1]["reason"] == "lease expired"
+
+
+def test_errors_are_json_too_with_json_format(procs: Procs) -> None:
+    r = procs.pr_run("--log-format", "json", "--job", "j", "--", "/nonexistent/cmd")
+    assert r.returncode == ExitCode.NOTFOUND
+    (line,) = r.err_lines
+    obj = json.loads(line)
+    assert obj["event"] == "error" and "/nonexistent/cmd" in obj["message"]
+
+
+def test_journald_priority_prefix_when_stderr_is_the_journal_stream(procs: Procs, tmp_path: Path) -> None:
+    """JOURNAL_STREAM naming our stderr (as systemd sets it) adds <N> priorities."""
+    log = tmp_path / "journal"
+    with open(log, "wb") as f:
+        st = os.fstat(f.fileno())
+        env = dict(procs.env, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+        p = procs.start([PEARING_RUN, "-v", "--job", "j", "--", "/nonexistent"], env=env, stderr=f)
+        procs.finish(p)
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("<6>pearing-run: acquired ")
+    assert lines[1].startswith("<3>pearing-run: error: command not found")
+    assert lines[2].startswith("<6>pearing-run: released ")
+    # Not the journal (another inode): no prefixes.
+    env = dict(procs.env, JOURNAL_STREAM="1:1")
+    r = procs.run([PEARING_RUN, "-v", "--job", "j", "--", "true"], env=env)
+    assert r.err_lines[0].startswith("pearing-run: acquired ")
+
+
+# -- status ----------------------------------------------------------------------------
+
+
+def _held(procs: Procs, work: Path) -> Gate:
+    gate = Gate(work)
+    procs.pr("--job", "j", "--identity", "codex", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    return gate
+
+
+def test_status_json_when_not_a_terminal(procs: Procs, work: Path) -> None:
+    gate = _held(procs, work)
+    r = procs.run([PEARING_CLI, "status"])
+    (lock,) = json.loads(r.stdout)
+    assert lock["lock_name"] == "j" and lock["state"] == "held" and lock["fence"] == 1
+    assert lock["holder"]["identity"] == "codex" and 0 < lock["holder"]["lease_left"] <= 60
+    assert lock["waiters"] == []
+    gate.open()
+
+
+def _on_a_tty(argv: list[str], env: dict[str, str], until: bytes, timeout: float = 15.0) -> bytes:
+    """Run argv with stdout on a pseudo-terminal; read (blocking in select) until ``until`` shows up."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while until not in b"".join(chunks):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"{until!r} did not show on the terminal: {b''.join(chunks)!r}")
+            if select.select([leader], [], [], remaining)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: the program closed the terminal
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        p.kill()
+        p.wait()
+        os.close(leader)
+    return b"".join(chunks)
+
+
+def test_status_table_on_a_terminal_and_watch(procs: Procs, work: Path) -> None:
+    gate = _held(procs, work)
+    out = _on_a_tty([PEARING_CLI, "status"], procs.env, b"codex")
+    lines = out.decode().replace("\r", "").splitlines()
+    assert lines[0].split() == ["LOCK", "REPO", "STATE", "IDENTITY", "FENCE", "LEASE", "LEFT", "WAITERS", "ACTIVITY"]
+    assert lines[1].split()[:5] == ["j", "default", "held", "codex", "1"]
+    # --watch redraws (clear-screen sequence) until interrupted.
+    out = _on_a_tty([PEARING_CLI, "status", "--watch", "--interval", "0.2"], procs.env, b"codex", 15)
+    assert out.startswith(b"\x1b[H\x1b[2J")
+    gate.open()
+
+
+# -- versions and help -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool", ["pearing-run", "pearing-cli", "pearing-guard", "pearing-mcp"])
+def test_every_command_has_version(tool: str) -> None:
+    r = subprocess.run([os.path.join(BIN_DIR, tool), "--version"], capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == f"{tool} {__version__}"
+
+
+def test_cli_offers_shell_completion() -> None:
+    r = subprocess.run([PEARING_CLI, "--help"], capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "--install-completion" in r.stdout
+
+
+# -- README blocks -----------------------------------------------------------------------
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+
+
+def test_readme_first_screen_has_exactly_two_setup_commands() -> None:
+    head = README.split("## Contents")[0]
+    blocks = re.findall(r"```sh\n(.*?)```", head, re.S)
+    assert len(blocks) == 2
+    assert "pip install" in blocks[0] and "pearing-run" in blocks[0]
+    assert "pip install" in blocks[1] and "pytest" in blocks[1]
+    ci = (ROOT / ".ci/run").read_text()
+    assert "python -m pytest" in blocks[1] and "python -m pytest" in ci
+
+
+def test_readme_demo_runs(procs: Procs, tmp_path: Path) -> None:
+    """The demo one-liner, minus the install (this venv is the install)."""
+    demo = _blocks("sh")[0].strip()
+    _, _, run = demo.partition(". .venv/bin/activate && ")
+    assert run.startswith("pearing-run ")
+    env = dict(procs.env, PATH=f"{BIN_DIR}:{os.environ['PATH']}")
+    r = procs.run(["sh", "-c", run], env=env)
+    assert r.returncode == 0, r
+    assert b"fence 1: doing the contested step" in r.stdout
+    assert b"a second contender exited 75" in r.stdout
+
+
+def test_readme_cli_walkthrough_runs(procs: Procs) -> None:
+    """The pearing-cli block of the README, command for command, with the real ticket id."""
+    block = next(b for b in _blocks("sh") if "acquire-lock" in b)
+    commands = [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    ticket = None
+    env = dict(procs.env, PATH=f"{BIN_DIR}:{os.environ['PATH']}")
+    for template in commands:
+        command = template.replace("TICKET_ID", ticket) if ticket else template
+        r = procs.run(["sh", "-c", command], env=env)
+        assert r.returncode == 0, (command, r)
+        if "acquire-lock" in command:
+            ticket = json.loads(r.stdout)["ticket_id"]
+    assert ticket is not None
+
+
+def test_readme_python_guard_example_runs(procs: Procs, work: Path) -> None:
+    """The Python API example, run inside a pearing-run with post_reply stubbed to record."""
+    (code,) = _blocks("python")
+    script = work / "example.py"
+    script.write_text(
+        "import sys\nposted = []\ndef post_reply(**kw):\n    posted.append(kw)\n"
+        + code
+        + "\nassert posted == [{'thread': 42, 'body': '...'}], posted\nprint('accepted', verdict.fence)\n"
+    )
+    r = procs.pr_run("--job", "thread-work.42", "--", sys.executable, str(script))
+    assert r.returncode == 0, r
+    assert r.stdout.strip() == b"accepted 1"
+
+
+def test_readme_mentions_every_exit_code_and_env_name() -> None:
+    from singleflight import _const
+
+    for code in (0, 1, 64, 70, 73, 74, 75, 77, 124, 126, 127):
+        assert re.search(rf"\| (\d+ / )?{code}( / \d+)? \|", README), code
+    for name in dir(_const):
+        if name.startswith("ENV_") and name not in ("ENV_BACKEND",):
+            assert getattr(_const, name) in README, name
+    for cmd in (PEARING_GUARD,):
+        assert os.path.basename(cmd) in README
