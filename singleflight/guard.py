@@ -20,6 +20,7 @@ import fcntl
 import hmac
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -73,6 +74,8 @@ def _claim(token_file: str | None, env: Mapping[str, str]) -> _Claim | Verdict:
         except OSError as exc:
             return Verdict(False, f"token file {path}: {exc.strerror}")
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return Verdict(False, f"token file {path} is not a regular file")
             data = os.read(fd, 65536)
         finally:
             os.close(fd)
@@ -198,7 +201,12 @@ def accept_fence(resource: str, fence: int, ledger: str | None = None) -> int:
     path = os.path.abspath(ledger) if ledger else default_ledger()
     parent, name = os.path.split(path)
     if ledger:
-        d = Dir(os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parent)
+        try:
+            d = Dir(os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parent)
+        except FileNotFoundError:
+            raise LockDirError(path, "the ledger's directory does not exist") from None
+        except OSError as exc:
+            raise LockDirError(path, exc.strerror or str(exc)) from None
     else:
         d = Dir.open_root(parent, create=True)
     with d:
