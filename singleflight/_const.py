@@ -41,6 +41,8 @@ DEFAULT_GUARD_MAX_SECONDS: Final = 60.0
 ROOT_LOCK_DIR: Final = "/var/lib/pearing"
 # Ended tickets stay readable (get-lock-ticket, idempotent release) this long.
 ENDED_TICKET_RETENTION: Final = 3600.0
+# Pruning and sweeping a lock's records happens at most this often.
+HOUSEKEEPING_EVERY: Final = 60.0
 
 # Ticket states, as SPEC.md names them.
 WAITING: Final = "waiting"

@@ -219,10 +219,7 @@ class Holder:
             self.chan.send("released")
             self.chan.close()
         try:
-            now = time.time()
-            self.store.prune_ended(now)
-            self.store.prune_requests(now)
-            lease.sweep_dead_waiters(self.store)
+            self.store.housekeeping()
         finally:
             os._exit(0)
 

@@ -158,6 +158,12 @@ class Runner:
             os.close(fd)
             self.log.event("busy", lock=o.job, repo=o.repo)
             return None
+        # Import what holding needs now, while we wait, not after the hand-over.
+        import json  # noqa: F401
+        import select  # noqa: F401
+
+        from singleflight import holder, lease  # noqa: F401
+
         started = time.monotonic()
         deadline = started + o.wait_seconds
         waiter = queue.Waiter(store, self.ticket.ticket_id)

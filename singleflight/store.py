@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from singleflight import _fault
-from singleflight._const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, ROOT_LOCK_DIR
+from singleflight._const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, HOUSEKEEPING_EVERY, ROOT_LOCK_DIR
 from singleflight._fs import Dir, parse_int_record
 from singleflight.errors import BadValue, CorruptRecord
 from singleflight.ticket import Ticket
@@ -232,6 +232,25 @@ class LockStore:
             if st is not None and st.st_mtime < now - keep:
                 removed += d.unlink(name)
         return removed
+
+    def housekeeping(self, every: float = HOUSEKEEPING_EVERY) -> bool:
+        """Prune ended tickets and old request records, cancel dead waiters.
+
+        At most once per ``every`` seconds per lock: it reads every record, and
+        right after a release it would compete for the CPU with the next
+        holder's hand-over.
+        """
+        from singleflight import lease
+
+        now = time.time()
+        st = self.dir.lstat(".housekeeping")
+        if st is not None and now - st.st_mtime < every:
+            return False
+        self.dir.write_atomic(".housekeeping", b"", durable=False)
+        self.prune_ended(now)
+        self.prune_requests(now)
+        lease.sweep_dead_waiters(self)
+        return True
 
     # -- token files ---------------------------------------------------------
 
