@@ -75,7 +75,7 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
     env = _env(tmp / "startup")
     flock_file = str(tmp / "flock.lock")
     cases: dict[str, Callable[[], float]] = {
-        "python3 -c pass": lambda: _time([PY, "-c", "pass"], env),  # noqa: PLW0108
+        "python3 -c pass": lambda: _time([PY, "-c", "pass"], env),
         "pearing-run (uncontended)": lambda: _time([RUN, "--job", "x", "--", "true"], env),
     }
     if FLOCK:
@@ -86,7 +86,7 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
         [RUN, "--job", "busy", "--", "sh", "-c", f"touch {tmp}/busy-ready; while [ ! -e {gate} ]; do sleep 0.05; done"],
         env=env,
     )
-    _wait_for(lambda: (tmp / "busy-ready").exists(), 10, "busy holder")
+    _wait_for((tmp / "busy-ready").exists, 10, "busy holder")
     cases["pearing-run (busy skip)"] = lambda: _time([RUN, "--job", "busy", "--", "true"], env, expect=75)
     # verify inside a live lease: copy the holder's token file path.
     token_file = next((tmp / "startup").glob("locks/default/@busy/tokens/*.token"))

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,57 @@ def test_readme_mentions_every_exit_code_and_env_name() -> None:
             assert getattr(_const, name) in README, name
     for cmd in (PEARING_GUARD,):
         assert os.path.basename(cmd) in README
+
+
+def test_readme_recipe_runs_for_two_responders_and_a_replay(procs: Procs, work: Path) -> None:
+    """The recipe block, with stand-ins for the agent and the thread service."""
+    block = next(b for b in _blocks("sh") if "handle-thread" in b)
+    bin_dir = work / "bin"
+    bin_dir.mkdir()
+    pushes, answered = work / "pushes", work / "answered"
+    (bin_dir / "handle-thread").write_text(
+        "#!/bin/sh\nset -e\n"
+        'pearing-cli update-user-activity --activity "Revalidating thread #$1 under lock $PEARING_LOCK."\n'
+        "pearing-cli heartbeat-lock-ticket --lease-seconds 60 >/dev/null\n"
+        f"pearing-guard exec -- sh -c 'echo $PEARING_FENCE $PEARING_PROMOTED >> {q(pushes)}'\n"
+        f"touch {q(answered)}\n"
+        "pearing-cli update-user-activity --clear >/dev/null\n"
+    )
+    (bin_dir / "thread-already-answered").write_text(f"#!/bin/sh\ntest -e {q(answered)}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(procs.env, PATH=f"{bin_dir}:{BIN_DIR}:{os.environ['PATH']}", EVENT_UUID=str(uuid.uuid4()))
+    first = procs.run(["sh", "-c", block], env=env)
+    assert first.returncode == 0, first
+    assert pushes.read_text() == "1 0\n"
+    # The replay of the same event: deduplicated, nothing runs.
+    assert procs.run(["sh", "-c", block], env=env).returncode == 0
+    # The second responder with its own event id: --skip-if sees the work done.
+    env2 = dict(env, EVENT_UUID=str(uuid.uuid4()))
+    assert procs.run(["sh", "-c", block], env=env2).returncode == 0
+    assert pushes.read_text() == "1 0\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_readme_guarded_push_runs_only_for_the_live_holder(procs: Procs, work: Path) -> None:
+    """`pearing-guard exec -- git push ...` from the README, against a local bare origin."""
+    line = next(x for b in _blocks("sh") for x in b.splitlines() if x.startswith("pearing-guard exec -- git push"))
+    origin, clone = work / "origin.git", work / "clone"
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q", "--bare", str(origin)], check=True)
+    subprocess.run([*git, "init", "-q", str(clone)], check=True)
+    subprocess.run([*git, "-C", str(clone), "commit", "-q", "--allow-empty", "-m", "progress"], check=True)
+    subprocess.run(["git", "-C", str(clone), "remote", "add", "origin", str(origin)], check=True)
+    env = dict(procs.env, PATH=f"{BIN_DIR}:{os.environ['PATH']}")
+    script = f"cd {q(clone)} && {line} && cp $PEARING_TOKEN_FILE {q(work / 'old.token')}"
+    assert procs.pr_run("--job", "thread-work.42", "--", "sh", "-c", script, env=env).returncode == 0
+    refs = subprocess.run(["git", "-C", str(origin), "branch", "--list"], capture_output=True, text=True, check=True)
+    assert "codex/thread-42" in refs.stdout
+    # With the run over, the same push is refused and never reaches the origin.
+    subprocess.run(["git", "-C", str(origin), "branch", "-D", "codex/thread-42"], check=True, capture_output=True)
+    late = procs.run(
+        ["sh", "-c", f"cd {q(clone)} && {line}"], env=dict(env, PEARING_TOKEN_FILE=str(work / "old.token"))
+    )
+    assert late.returncode == ExitCode.REFUSED
+    refs = subprocess.run(["git", "-C", str(origin), "branch", "--list"], capture_output=True, text=True, check=True)
+    assert "codex/thread-42" not in refs.stdout
