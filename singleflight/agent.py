@@ -4,7 +4,7 @@ Run as ``python -m singleflight.agent LOCK_DIR REPO LOCK TICKET FD`` with FD a
 pipe to the CLI call that started it. It waits in the FIFO queue while its
 owner heartbeats the waiting ticket, takes the lock, then keeps the lease until
 release, lease expiry without heartbeat, or the kill of its process. It reports
-``queued``, ``held`` or ``ended`` lines on FD; the CLI may be long gone.
+``queued``, ``held``, ``ended`` or ``error CODE MESSAGE`` lines on FD; the CLI may be long gone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from types import FrameType
 from singleflight import _fault, _proc, lease, queue
 from singleflight._channel import Channel
 from singleflight._const import CANCELLED, WAITING
-from singleflight.holder import Holder, HolderConfig
+from singleflight.errors import PearingError
+from singleflight.holder import Holder, HolderConfig, LocalLease
 from singleflight.store import LockDir
 
 
@@ -33,6 +34,15 @@ def main(argv: list[str]) -> int:
         os._exit(0)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     chan = Channel(-1, int(report_fd))
+    try:
+        return _agent(chan, lock_dir, repo, lock, ticket_id)
+    except PearingError as exc:
+        # A corrupt record or a planted symlink: the CLI call exits with this code and line.
+        chan.send(f"error {int(exc.exit_code)} {exc}")
+        return int(exc.exit_code)
+
+
+def _agent(chan: Channel, lock_dir: str, repo: str, lock: str, ticket_id: str) -> int:
     store = LockDir(lock_dir, create=False).lock_store(repo, lock, create=False)
     ticket = store.read_ticket(ticket_id)
     if ticket is None or ticket.state != WAITING:
@@ -89,7 +99,7 @@ def main(argv: list[str]) -> int:
     lease.take_ownership(store, ticket, promoted=waited)
     chan.send("held")
     cfg = HolderConfig(heartbeat_auto=False, max_runtime=None, kill_grace=0.0, request_uuid=None, dedupe_window=0.0)
-    Holder(store, fd, ticket, cfg, chan).serve()
+    Holder(LocalLease(store, fd, ticket), cfg, chan).serve()
     return 0  # not reached: serve() exits the process
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from singleflight import _proc, lease, names, queue
 from singleflight._channel import Channel
-from singleflight._const import CANCELLED, HELD, RELEASED, WAITING
+from singleflight._const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING, ExitCode
 from singleflight.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.store import LockDir, LockStore
 from singleflight.ticket import Ticket, new_uuid4
@@ -33,6 +33,17 @@ class Outcome:
 
     def __init__(self, ticket: dict[str, Any], code: int = 0, reason: str | None = None) -> None:
         self.ticket, self.code, self.reason = ticket, code, reason
+
+
+class AgentFailed(PearingError):
+    """The detached agent reported an error (a corrupt record, a planted symlink): its line and code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        try:
+            self.exit_code = ExitCode(int(code))
+        except ValueError:
+            self.exit_code = ExitCode.SOFTWARE
 
 
 class Backend(Protocol):
@@ -134,11 +145,19 @@ class LocalBackend:
         chan = Channel(r, -1)
         deadline = time.monotonic() + _AGENT_START_SECONDS
         state = None
+        gone = False
         try:
             while True:
                 line = _recv_until(chan, deadline)
                 if line is None:
+                    gone = chan.eof  # every write end closed: the agent died without a word
                     break
+                if line.startswith("error "):
+                    code, _, message = line[6:].partition(" ")
+                    cur = store.read_ticket(t.ticket_id) or t
+                    if cur.live:
+                        self._end_orphan(store, cur)
+                    raise AgentFailed(code, message)
                 state = line
                 if line == "queued":
                     deadline = time.monotonic() + wait_seconds
@@ -147,27 +166,42 @@ class LocalBackend:
         finally:
             chan.close()
         cur = store.read_ticket(t.ticket_id) or t
+        if gone and cur.live:
+            cur = self._end_orphan(store, cur)
         return self._outcome(store, cur, timed_out=state == "queued")
 
     def _await_existing(self, store: LockStore, t: Ticket, wait_seconds: float) -> Outcome:
         """Same request uuid again: never a second ticket, never behind itself."""
-        if t.state == WAITING:
+        if t.state == WAITING and wait_seconds > 0:
             entry = next((n for n in queue.live_entries(store) if n.endswith("." + t.ticket_id)), None)
-            if entry is not None and wait_seconds > 0:
+            # No entry: the agent has just left the line and is taking the lock (or is not
+            # in line yet): its state changes in moments, so wait for that, not 75 at once.
+            got = entry is None
+            if entry is not None:
                 try:
                     fd = store.sub("queue").open(entry, os.O_RDWR)
                 except FileNotFoundError:
-                    fd = -1
+                    fd, got = -1, True
                 if fd >= 0:
                     # The agent keeps this entry flocked until it leaves the line.
                     got = queue.flock_until(fd, time.monotonic() + wait_seconds)
                     os.close(fd)
-                    if got:
-                        t = _await_state_change(store, t.ticket_id)
+            if got:
+                t = _await_state_change(store, t.ticket_id, min(wait_seconds, 5.0) if entry is None else 5.0)
         cur = store.read_ticket(t.ticket_id) or t
         return self._outcome(store, cur, timed_out=cur.state == WAITING)
 
+    def _end_orphan(self, store: LockStore, t: Ticket) -> Ticket:
+        """End a ticket whose agent is dead (killed): nobody holds or waits for it any more."""
+        final = EXPIRED if t.state == HELD else CANCELLED
+        ended = lease.end(store, t.ticket_id, final, "holder gone", only_if_held=False)
+        store.remove_token_file(t.ticket_id)
+        return store.read_ticket(t.ticket_id) or ended or t
+
     def _outcome(self, store: LockStore, t: Ticket, *, timed_out: bool) -> Outcome:
+        if t.state == HELD and not _proc.alive(t.holder_pid, t.holder_start):
+            # Never report a lock held whose holder is already gone: the kernel has freed it.
+            t = self._end_orphan(store, t)
         view = self.view(store, t)
         if t.state == HELD:
             return Outcome(view)
@@ -267,9 +301,9 @@ def _recv_until(chan: Channel, deadline: float) -> str | None:
             chan.fill()
 
 
-def _await_state_change(store: LockStore, ticket_id: str) -> Ticket:
+def _await_state_change(store: LockStore, ticket_id: str, timeout: float = 5.0) -> Ticket:
     """The agent left the line: it is taking the lock (or gave up). Moments at most."""
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + timeout
     while True:
         t = store.read_ticket(ticket_id)
         if t is None:

@@ -85,3 +85,13 @@ class StaleFence(PearingError):
     def __init__(self, resource: str, fence: int, highest: int) -> None:
         self.resource, self.fence, self.highest = resource, fence, highest
         super().__init__(f"stale fence {fence} < {highest} for {resource!r}")
+
+
+class BackendUnavailable(PearingError):
+    """No member of the distributed backend answered: the lease cannot be proven."""
+
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        super().__init__(f"backend {url} unreachable: {detail}")

@@ -14,7 +14,7 @@ import os
 import select
 import signal
 import time
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from singleflight import _fault, _proc, lease
 from singleflight._channel import Channel
@@ -72,18 +72,69 @@ def _pidfd(pid: int, stamp: int | None) -> int | None:
     return fd
 
 
+class LeaseDriver(Protocol):
+    """What the holder needs of a backend: the lease, the token's liveness, the lock."""
+
+    ticket: Ticket
+
+    def renew(self) -> None:
+        """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat)."""
+
+    def check(self) -> str | None:
+        """At the deadline or when poked: None if still ours (deadline updated), RELEASED if
+        its owner released it, else why it was lost."""
+
+    def end(self, state: str, reason: str) -> None:
+        """The token stops being live (after in-flight guarded commands)."""
+
+    def record_request(self, request_uuid: str, status: int | None, window: float) -> None: ...
+
+    def remove_token_file(self) -> None: ...
+
+    def release(self) -> None:
+        """Let go of the lock: the next waiter is promoted now."""
+
+    def housekeeping(self) -> None: ...
+
+
+class LocalLease:
+    """The kernel-flock backend: the lock fd, and the ticket records in the lock dir."""
+
+    def __init__(self, store: LockStore, lock_fd: int, ticket: Ticket) -> None:
+        self.store, self.lock_fd, self.ticket = store, lock_fd, ticket
+
+    def renew(self) -> None:
+        self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
+
+    def check(self) -> str | None:
+        with self.store.mutex():
+            t = self.store.read_ticket(self.ticket.ticket_id)
+        if t is None or t.state != HELD:
+            return RELEASED if t is not None and t.state == RELEASED else f"ticket {t.state if t else 'vanished'}"
+        self.ticket = t
+        return "lease expired" if (t.lease_deadline_mono or 0) <= time.monotonic() else None
+
+    def end(self, state: str, reason: str) -> None:
+        lease.end(self.store, self.ticket.ticket_id, state, reason)
+
+    def record_request(self, request_uuid: str, status: int | None, window: float) -> None:
+        lease.record_request(self.store, request_uuid, self.ticket, status, window)
+
+    def remove_token_file(self) -> None:
+        self.store.remove_token_file(self.ticket.ticket_id)
+
+    def release(self) -> None:
+        os.close(self.lock_fd)  # the kernel hands the lock to the head waiter now
+
+    def housekeeping(self) -> None:
+        self.store.housekeeping()
+
+
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(
-        self,
-        store: LockStore,
-        lock_fd: int,
-        ticket: Ticket,
-        cfg: HolderConfig,
-        chan: Channel | None,
-    ) -> None:
-        self.store, self.lock_fd, self.ticket, self.cfg, self.chan = store, lock_fd, ticket, cfg, chan
+    def __init__(self, driver: LeaseDriver, cfg: HolderConfig, chan: Channel | None) -> None:
+        self.driver, self.cfg, self.chan = driver, cfg, chan
         self.cmd_pid: int | None = None
         self.cmd_fd: int | None = None
         self.cmd_done = False
@@ -99,7 +150,7 @@ class Holder:
     def serve(self) -> None:
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
-        renew_every = max(self.ticket.lease_seconds / 3.0, 0.05)
+        renew_every = max(self.driver.ticket.lease_seconds / 3.0, 0.05)
         renew_at = started + renew_every
         poller = select.poll()
         poller.register(self.wake_r, select.POLLIN)
@@ -107,7 +158,7 @@ class Holder:
             poller.register(self.chan.rfd, select.POLLIN)
         while True:
             now = time.monotonic()
-            deadlines = [self.ticket.lease_deadline_mono or now]
+            deadlines = [self.driver.ticket.lease_deadline_mono or now]
             if max_deadline is not None:
                 deadlines.append(max_deadline)
             if self.cfg.heartbeat_auto and not self.cmd_done:
@@ -131,9 +182,9 @@ class Holder:
             if max_deadline is not None and now >= max_deadline:
                 self.lose(f"max runtime {self.cfg.max_runtime:g} s reached")
             if self.cfg.heartbeat_auto and not self.cmd_done and now >= renew_at:
-                self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
+                self.driver.renew()
                 renew_at = now + renew_every
-            elif (self.ticket.lease_deadline_mono or 0) <= now:
+            if (self.driver.ticket.lease_deadline_mono or 0) <= now:
                 self._check_lease()
 
     def _on_signals(self, sigs: bytes) -> None:
@@ -168,39 +219,34 @@ class Holder:
 
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
-        with self.store.mutex():
-            t = self.store.read_ticket(self.ticket.ticket_id)
-        if t is None or t.state != HELD:
-            if t is not None and t.state == RELEASED and self.cmd_pid is None:
-                self.finish_released()  # pearing-cli release-lock-ticket
-            self.lose(f"ticket {t.state if t else 'vanished'}")
-        self.ticket = t
-        if (t.lease_deadline_mono or 0) <= time.monotonic():
-            self.lose("lease expired")
+        lost = self.driver.check()
+        if lost == RELEASED and self.cmd_pid is None:
+            self.finish_released()  # pearing-cli release-lock-ticket
+        if lost is not None:
+            self.lose(lost)
 
     # -- endings -----------------------------------------------------------
 
     def lose(self, reason: str) -> NoReturn:
         """Ownership lost: token dead first, then COMMAND stopped, then the lock freed."""
-        lease.end(self.store, self.ticket.ticket_id, EXPIRED, reason)
+        self.driver.end(EXPIRED, reason)
         if self.chan is not None:
             self.chan.send(f"lost {reason}")
-        self.store.remove_token_file(self.ticket.ticket_id)
+        self.driver.remove_token_file()
         self._stop_command()
         self._release_lock_and_exit()
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
-        t = self.ticket
         if self.cfg.request_uuid:
-            lease.record_request(self.store, self.cfg.request_uuid, t, status, self.cfg.dedupe_window)
+            self.driver.record_request(self.cfg.request_uuid, status, self.cfg.dedupe_window)
         reason = "command ended" if status is None else f"command exited {status}"
-        lease.end(self.store, t.ticket_id, RELEASED, reason)
+        self.driver.end(RELEASED, reason)
         _fault.point("mid-release")
         self.finish_released()
 
     def finish_released(self) -> NoReturn:
-        self.store.remove_token_file(self.ticket.ticket_id)
+        self.driver.remove_token_file()
         self._release_lock_and_exit()
 
     def _stop_command(self) -> None:
@@ -214,12 +260,12 @@ class Holder:
         _killpg(self.cmd_pid, signal.SIGKILL)
 
     def _release_lock_and_exit(self) -> NoReturn:
-        os.close(self.lock_fd)  # the kernel hands the lock to the head waiter now
+        self.driver.release()
         if self.chan is not None:
             self.chan.send("released")
             self.chan.close()
         try:
-            self.store.housekeeping()
+            self.driver.housekeeping()
         finally:
             os._exit(0)
 

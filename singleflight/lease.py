@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import os
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +53,8 @@ def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> None:
         if t is not None and t.state == HELD:
             t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", time.time()
             store.write_ticket(t)
+            # Its token file too: a raw token stays on disk only while its ticket is held.
+            store.remove_token_file(previous)
 
 
 def sweep_dead_waiters(store: LockStore) -> int:
@@ -110,9 +113,32 @@ def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
         if t is None:
             raise UnknownTicket(ticket_id)
         check_live(store, t)
+        before = t.lease_deadline_mono
         t.set_lease(seconds)
         store.write_ticket(t)
-        return t
+    if t.state == HELD and before is not None and (t.lease_deadline_mono or 0) < before:
+        # A shorter lease than before: the holder sleeps until the deadline it knows,
+        # so make it re-read the ticket now, or the lock would outlive the lease.
+        _poke_holder(t)
+    return t
+
+
+def _poke_holder(t: Ticket) -> None:
+    """SIGUSR1 to a held ticket's holder (another process), checked by pid and start time."""
+    pid = t.holder_pid
+    if pid is None or pid == os.getpid():
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if _proc.start_time(pid) == t.holder_start:
+            signal.pidfd_send_signal(fd, signal.SIGUSR1)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def check_live(store: LockStore, t: Ticket) -> None:

@@ -425,6 +425,7 @@ class Runner:
             self.log.error(str(exc))
 
     def _holder_failed(self, line: str | None) -> int:
+        self._clean_up_after_holder()
         if line and line.startswith("error "):
             code_s, _, msg = line[6:].partition(" ")
             self.log.error(msg)
@@ -432,20 +433,33 @@ class Runner:
         self.log.error("internal error: the lock holder died before taking the lease (killed?)")
         return int(ExitCode.SOFTWARE)
 
+    def _clean_up_after_holder(self) -> None:
+        """The holder died or failed before reporting ready: it may have recorded our ticket
+        held (its fence issued) and written the token file. It never served the lease, so end
+        the ticket and remove the token file now rather than leave them to the next run."""
+        from singleflight import lease
+
+        tid = self.ticket.ticket_id
+        for state, only_if_held in ((EXPIRED, True), (CANCELLED, False)):
+            with contextlib.suppress(PearingError):
+                lease.end(self.store, tid, state, "holder gone", only_if_held=only_if_held)
+        with contextlib.suppress(PearingError):
+            self.store.remove_token_file(tid)
+
 
 def _holder_child(o: RunOptions, ticket: Ticket, lock_fd: int, cfg: HolderConfig, chan: Channel) -> int:
     """In the forked holder: take ownership, report, and serve the lease."""
     import json
 
     from singleflight import lease
-    from singleflight.holder import Holder
+    from singleflight.holder import Holder, LocalLease
 
     try:
         store = LockDir(o.lock_dir, create=False).lock_store(o.repo, o.job, create=False)
         token = lease.take_ownership(store, ticket, promoted=bool(ticket.promoted))
         info = {"fence": ticket.fence, "token": token, "token_file": store.token_file_path(ticket.ticket_id)}
         chan.send("ready " + json.dumps(info))
-        Holder(store, lock_fd, ticket, cfg, chan).serve()
+        Holder(LocalLease(store, lock_fd, ticket), cfg, chan).serve()
     except PearingError as exc:
         chan.send(f"error {int(exc.exit_code)} {exc}")
         return int(exc.exit_code)
