@@ -109,9 +109,23 @@ class Runner:
 
     # -- top level ---------------------------------------------------------
 
+    # Backend hooks: this class is the kernel-flock backend; etcd overrides these.
+
+    def _open(self) -> None:
+        self.store = LockDir(self.o.lock_dir).lock_store(self.o.repo, self.o.job)
+
+    def _drop_grip(self, grip: int) -> None:
+        os.close(grip)  # only the holder may keep the lock open now
+
+    def _serve(self, grip: int, cfg: HolderConfig, chan: Channel) -> int:
+        """In the forked holder: take ownership, report ``ready``, serve the lease."""
+        return _holder_child(self.o, self.ticket, grip, cfg, chan)
+
+    # -- top level ---------------------------------------------------------
+
     def run(self) -> int:
         o = self.o
-        self.store = LockDir(o.lock_dir).lock_store(o.repo, o.job)
+        self._open()
         now = time.time()
         self.ticket = Ticket(
             ticket_id=new_uuid4(),
@@ -134,14 +148,14 @@ class Runner:
                 self.log.event("busy", lock=o.job, request=o.request_uuid, reason="request in flight")
                 return o.busy_exit_code
         try:
-            lock_fd = self._acquire()
+            grip = self._acquire()
         except BaseException:
             self._unclaim_request()
             raise
-        if lock_fd is None:
+        if grip is None:
             self._unclaim_request()
             return o.busy_exit_code
-        return self._hold_and_run(lock_fd)
+        return self._hold_and_run(grip)
 
     # -- acquiring ---------------------------------------------------------
 
@@ -237,7 +251,7 @@ class Runner:
 
     # -- holding -----------------------------------------------------------
 
-    def _hold_and_run(self, lock_fd: int) -> int:
+    def _hold_and_run(self, grip: int) -> int:
         import json
 
         from singleflight.holder import HolderConfig
@@ -252,8 +266,8 @@ class Runner:
         )
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._forward)
-        chan = self._fork_holder(lock_fd, cfg)
-        os.close(lock_fd)  # only the holder may keep the lock open now
+        chan = self._fork_holder(grip, cfg)
+        self._drop_grip(grip)
         _fault.point("after-holder-spawn")
         line = chan.recv()
         if line is None or not line.startswith("ready "):
@@ -284,7 +298,7 @@ class Runner:
         code = status if status is not None else int(ExitCode.LEASE_LOST)
         return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
 
-    def _fork_holder(self, lock_fd: int, cfg: HolderConfig) -> Channel:
+    def _fork_holder(self, grip: int, cfg: HolderConfig) -> Channel:
         from singleflight._channel import Channel
         from singleflight.holder import detach
 
@@ -296,8 +310,8 @@ class Runner:
             try:
                 os.close(to_w)
                 os.close(from_r)
-                detach({lock_fd, to_r, from_w})
-                code = _holder_child(self.o, self.ticket, lock_fd, cfg, Channel(to_r, from_w))
+                detach({grip, to_r, from_w})
+                code = self._serve(grip, cfg, Channel(to_r, from_w))
             finally:
                 os._exit(code)
         os.close(to_r)
@@ -319,6 +333,9 @@ class Runner:
                 ENV_PROMOTED: "1" if self.ticket.promoted else "0",
             }
         )
+        extra = info.get("env")
+        if isinstance(extra, dict):
+            env.update({str(k): str(v) for k, v in extra.items()})
         return env
 
     def _spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
@@ -371,19 +388,21 @@ class Runner:
         finally:
             os.close(pidfd)
 
-    def _holder_vanished(self, pid: int) -> None:
-        """The holder died (kill -9): the kernel freed the lock; the token is dead."""
-        import select
-
+    def _end_after_holder_death(self) -> None:
+        """Bookkeeping for a holder killed while COMMAND runs (the kernel freed the lock)."""
         from singleflight import lease
+
+        with contextlib.suppress(PearingError):
+            lease.end(self.store, self.ticket.ticket_id, EXPIRED, "holder gone")
+            self.store.remove_token_file(self.ticket.ticket_id)
+
+    def _holder_vanished(self, pid: int) -> None:
+        """The holder died (kill -9): the lock is free; the token is dead. Stop COMMAND."""
+        import select
 
         self.lost = "holder gone"
         self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
-        try:
-            lease.end(self.store, self.ticket.ticket_id, EXPIRED, "holder gone")
-            self.store.remove_token_file(self.ticket.ticket_id)
-        except PearingError:
-            pass
+        self._end_after_holder_death()
         _killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.o.kill_grace
         pidfd = os.pidfd_open(pid)
