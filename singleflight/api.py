@@ -47,6 +47,8 @@ class AgentFailed(PearingError):
 
 
 class Backend(Protocol):
+    def close(self) -> None: ...
+
     def acquire(
         self, lock: str, repo: str, *, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
     ) -> Outcome: ...
@@ -331,7 +333,16 @@ def _poke_and_wait(t: Ticket) -> None:
         os.close(pidfd)
 
 
-def backend(lock_dir: str) -> Backend:
+def backend(lock_dir: str, url: str | None = None) -> Backend:
+    """The local lock dir, or etcd when ``url`` (``--backend`` / PEARING_BACKEND) names it."""
+    if url and url != "local":
+        if not url.startswith("etcd://"):
+            from singleflight.errors import BadValue
+
+            raise BadValue("backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...]")
+        from singleflight.etcd.api import EtcdBackend
+
+        return EtcdBackend(url, lock_dir)
     return LocalBackend(lock_dir)
 
 

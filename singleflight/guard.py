@@ -27,7 +27,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from singleflight import _fault, _proc, names
-from singleflight._const import ENV_LOCK, ENV_LOCK_DIR, ENV_REPO, ENV_TICKET, ENV_TOKEN, ENV_TOKEN_FILE, HELD
+from singleflight._const import (
+    DEFAULT_GUARD_MAX_SECONDS,
+    ENV_BACKEND,
+    ENV_LOCK,
+    ENV_LOCK_DIR,
+    ENV_REPO,
+    ENV_TICKET,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    HELD,
+)
 from singleflight._fs import Dir
 from singleflight.errors import BadValue, CorruptRecord, LockDirError, NotHeld, StaleFence, UsageError
 from singleflight.lease import describe_end, token_hash
@@ -57,10 +67,13 @@ class Verdict:
 
 
 class _Claim:
-    __slots__ = ("lock", "lock_dir", "repo", "ticket_id", "token")
+    __slots__ = ("backend", "lock", "lock_dir", "repo", "ticket_id", "token")
 
-    def __init__(self, lock: str, repo: str, ticket_id: str | None, token: str, lock_dir: str) -> None:
+    def __init__(
+        self, lock: str, repo: str, ticket_id: str | None, token: str, lock_dir: str, *, backend: str | None = None
+    ) -> None:
         self.lock, self.repo, self.ticket_id, self.token, self.lock_dir = lock, repo, ticket_id, token, lock_dir
+        self.backend = backend
 
 
 def _claim(token_file: str | None, env: Mapping[str, str]) -> _Claim | Verdict:
@@ -87,6 +100,7 @@ def _claim(token_file: str | None, env: Mapping[str, str]) -> _Claim | Verdict:
                 names.ticket_id(str(obj["ticket"])),
                 str(obj["token"]),
                 str(obj.get("lock_dir") or resolve_lock_dir(env.get(ENV_LOCK_DIR))),
+                backend=str(obj["backend"]) if obj.get("backend") else None,
             )
         except (ValueError, KeyError, TypeError, BadValue):
             return Verdict(False, f"token file {path} is not a pearing token file")
@@ -100,6 +114,7 @@ def _claim(token_file: str | None, env: Mapping[str, str]) -> _Claim | Verdict:
         names.ticket_id(ticket) if ticket else None,
         token,
         resolve_lock_dir(env.get(ENV_LOCK_DIR) or None),
+        backend=env.get(ENV_BACKEND) or None,
     )
 
 
@@ -137,6 +152,23 @@ def _judge(store: LockStore, claim: _Claim) -> Verdict:
     return Verdict(True, "live", lock=claim.lock, repo=claim.repo, ticket_id=t.ticket_id, fence=t.fence)
 
 
+def _judge_etcd(claim: _Claim) -> Verdict:
+    from singleflight.errors import BackendUnavailable
+    from singleflight.etcd import lock as etcd_lock
+    from singleflight.etcd.client import Cluster
+
+    assert claim.backend is not None
+    if not claim.ticket_id:
+        raise UsageError("on etcd, verify needs the ticket: PEARING_TICKET or a token file")
+    try:
+        ok, reason, fence = etcd_lock.verify(
+            Cluster(claim.backend), claim.repo, claim.lock, claim.ticket_id, token_hash(claim.token)
+        )
+    except BackendUnavailable as exc:
+        ok, reason, fence = False, str(exc), None
+    return Verdict(ok, reason, lock=claim.lock, repo=claim.repo, ticket_id=claim.ticket_id, fence=fence)
+
+
 def _open_store(claim: _Claim) -> LockStore | None:
     """The claimed lock's files, or None when they do not exist (an unknown token)."""
     try:
@@ -151,6 +183,8 @@ def verify(token_file: str | None = None, env: Mapping[str, str] | None = None) 
     claim = _claim(token_file, os.environ if env is None else env)
     if isinstance(claim, Verdict):
         return claim
+    if claim.backend:
+        return _judge_etcd(claim)
     store = _open_store(claim)
     if store is None:
         return Verdict(False, "unknown or forged token", lock=claim.lock, repo=claim.repo)
@@ -159,7 +193,12 @@ def verify(token_file: str | None = None, env: Mapping[str, str] | None = None) 
 
 
 @contextmanager
-def guarded(token_file: str | None = None, env: Mapping[str, str] | None = None) -> Iterator[Verdict]:
+def guarded(
+    token_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    hold_seconds: float = DEFAULT_GUARD_MAX_SECONDS,
+) -> Iterator[Verdict]:
     """Verify, then hold off expiry and hand-over of the lease for the block's duration.
 
     Expiry and release take ``guard.lock`` exclusively; we hold it shared, so a
@@ -169,6 +208,10 @@ def guarded(token_file: str | None = None, env: Mapping[str, str] | None = None)
     claim = _claim(token_file, os.environ if env is None else env)
     if isinstance(claim, Verdict):
         raise NotHeld(claim.ticket_id or "-", claim.reason)
+    if claim.backend:
+        with _guarded_etcd(claim, hold_seconds) as verdict:
+            yield verdict
+        return
     store = _open_store(claim)
     if store is None:
         raise NotHeld(claim.ticket_id or "-", "unknown or forged token")
@@ -184,11 +227,30 @@ def guarded(token_file: str | None = None, env: Mapping[str, str] | None = None)
             os.close(fd)
 
 
+@contextmanager
+def _guarded_etcd(claim: _Claim, hold_seconds: float) -> Iterator[Verdict]:
+    from singleflight.etcd import lock as etcd_lock
+    from singleflight.etcd.client import Cluster
+
+    assert claim.backend is not None and claim.ticket_id is not None
+    cluster = Cluster(claim.backend)
+    held = etcd_lock.hold_guard(cluster, claim.repo, claim.lock, claim.ticket_id, hold_seconds)
+    if held is None:
+        raise NotHeld(claim.ticket_id, "unknown token or lease expired")
+    try:
+        verdict = _judge_etcd(claim)
+        if not verdict.ok:
+            raise NotHeld(claim.ticket_id, verdict.reason)
+        yield verdict
+    finally:
+        cluster.revoke(held[1])
+
+
 def default_ledger(lock_dir: str | None = None) -> str:
     return os.path.join(resolve_lock_dir(lock_dir), "ledger.json")
 
 
-def accept_fence(resource: str, fence: int, ledger: str | None = None) -> int:
+def accept_fence(resource: str, fence: int, ledger: str | None = None, *, backend: str | None = None) -> int:
     """Accept ``fence`` for ``resource`` if it is >= the highest seen; record it durably.
 
     Returns the highest fence now recorded. Raises StaleFence otherwise.
@@ -198,6 +260,11 @@ def accept_fence(resource: str, fence: int, ledger: str | None = None) -> int:
     if not resource or len(resource) > 512 or any(ord(c) < 32 for c in resource):
         raise BadValue("resource", resource, "must be 1 to 512 printable characters")
     fence = names.fence(fence)
+    if backend and not ledger:
+        from singleflight.etcd import lock as etcd_lock
+        from singleflight.etcd.client import Cluster
+
+        return etcd_lock.accept_fence(Cluster(backend), resource, fence)
     path = os.path.abspath(ledger) if ledger else default_ledger()
     parent, name = os.path.split(path)
     if ledger:

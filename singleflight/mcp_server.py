@@ -4,7 +4,7 @@ A front end like ``cli/main.py``: check the arguments, call one backend method,
 and turn a ``PearingError`` into a tool error whose text is its one line, so a
 bad call never takes the server down.
 
-pearing-mcp [--lock-dir DIR] [--identity ID] [--version]
+pearing-mcp [--lock-dir DIR] [--identity ID] [--backend URL] [--version]
 """
 
 # No ``from __future__ import annotations`` in this module: the SDK (a second to
@@ -15,14 +15,15 @@ pearing-mcp [--lock-dir DIR] [--identity ID] [--version]
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from singleflight import __version__, guard, identity, names
-from singleflight._const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_LOCK_DIR, ExitCode
+from singleflight._const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_BACKEND, ENV_LOCK_DIR, ExitCode
 from singleflight._log import Log
-from singleflight.api import LocalBackend
+from singleflight.api import Backend, backend
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.errors import BadValue, PearingError, UsageError
 from singleflight.store import resolve_lock_dir
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
 
 PROG = "pearing-mcp"
-SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--version]"
+SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--backend URL] [--version]"
 OPTIONS = [
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR)"),
+    Option("--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND)"),
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY, else user@host)"),
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
@@ -56,13 +58,16 @@ class Ops:
     ``PearingError`` with the one line the caller sees.
     """
 
-    def __init__(self, lock_dir: str, ident: str) -> None:
-        self.lock_dir, self.identity = lock_dir, ident
+    def __init__(self, lock_dir: str, ident: str, backend_url: str | None = None) -> None:
+        self.lock_dir, self.identity, self.backend_url = lock_dir, ident, backend_url
 
-    def _call(self, work: Callable[[LocalBackend], _T]) -> _T:
+    def _call(self, work: Callable[[Backend], _T]) -> _T:
         # One backend per call: a server lives for days, so every fd is closed at once.
-        with LocalBackend(self.lock_dir) as b:
+        b = backend(self.lock_dir, self.backend_url)
+        try:
             return work(b)
+        finally:
+            b.close()
 
     def check(self) -> None:
         """Open (and create) the lock dir now: a bad one is an exit code, not an error on every call."""
@@ -220,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         if values.get("version"):
             sys.stdout.write(f"{PROG} {__version__}\n")
             return 0
-        lock_dir, ident = values.get("lock_dir"), values.get("identity")
+        lock_dir, ident, url = values.get("lock_dir"), values.get("identity"), values.get("backend")
         ops = Ops(
             resolve_lock_dir(None if lock_dir is None else str(lock_dir)),
             identity.resolve(None if ident is None else str(ident)),
+            str(url) if url is not None else os.environ.get(ENV_BACKEND) or None,
         )
         ops.check()
     except PearingError as exc:

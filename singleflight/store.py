@@ -257,8 +257,8 @@ class LockStore:
     def token_file_path(self, ticket_id: str) -> str:
         return self.sub("tokens").child_path(f"{ticket_id}.token")
 
-    def write_token_file(self, ticket: Ticket, token: str) -> str:
-        body = {
+    def write_token_file(self, ticket: Ticket, token: str, **extra: str) -> str:
+        body: dict[str, Any] = {
             "lock": ticket.lock_name,
             "repo": ticket.repo,
             "ticket": ticket.ticket_id,
@@ -266,6 +266,7 @@ class LockStore:
             "token": token,
             "lease_expires_at": ticket.public()["lease_expires_at"],
             "lock_dir": self.lock_dir.path,
+            **extra,
         }
         self.sub("tokens").write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
         return self.token_file_path(ticket.ticket_id)

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from singleflight import __version__, guard, names
-from singleflight._const import DEFAULT_GUARD_MAX_SECONDS, ExitCode
+from singleflight._const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
 from singleflight._log import Log
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.errors import PearingError, UsageError
@@ -33,7 +33,7 @@ EXEC = [
 FENCE = [
     Option("--resource", dest="resource", metavar="NAME", help="what the fence protects (required)"),
     Option("--fence", dest="fence", metavar="N", help="the writer's fence (required)"),
-    Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default LOCK_DIR/ledger.json)"),
+    Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default LOCK_DIR/ledger.json, or etcd)"),
     Option("--json", dest="json", flag=True, help="print the result as JSON"),
     HELP,
 ]
@@ -70,7 +70,7 @@ def cmd_exec(argv: list[str], log: Log) -> int:
     )
     token_file = values.get("token_file")
     try:
-        with guard.guarded(str(token_file) if token_file else None):
+        with guard.guarded(str(token_file) if token_file else None, hold_seconds=max_seconds):
             return _run_bounded(command, max_seconds, log)
     except PearingError as exc:
         if exc.exit_code == ExitCode.REFUSED:
@@ -118,7 +118,10 @@ def cmd_fence(argv: list[str], log: Log) -> int:
     if resource is None or fence is None:
         raise UsageError("fence needs --resource NAME and --fence N")
     ledger = values.get("ledger")
-    accepted = guard.accept_fence(str(resource), names.fence(str(fence)), str(ledger) if ledger else None)
+    backend = os.environ.get(ENV_BACKEND) or None
+    accepted = guard.accept_fence(
+        str(resource), names.fence(str(fence)), str(ledger) if ledger else None, backend=backend
+    )
     if values.get("json"):
         sys.stdout.write(json.dumps({"ok": True, "resource": resource, "fence": accepted}) + "\n")
     return 0

@@ -25,6 +25,7 @@ from singleflight import __version__, identity, names
 from singleflight._const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
+    ENV_BACKEND,
     ENV_LOCK,
     ENV_REPO,
     ENV_TICKET,
@@ -48,6 +49,7 @@ app = typer.Typer(
 class _State:
     lock_dir: str | None = None
     identity: str | None = None
+    backend: str | None = None
 
 
 _state = _State()
@@ -65,15 +67,19 @@ def _root(
     ident: Annotated[
         str | None, typer.Option("--identity", help="Who holds (default PEARING_IDENTITY, else user@host).")
     ] = None,
+    backend_url: Annotated[
+        str | None, typer.Option("--backend", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local).")
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     _state.lock_dir, _state.identity = lock_dir, ident
+    _state.backend = backend_url if backend_url is not None else os.environ.get(ENV_BACKEND) or None
 
 
 def _backend() -> Backend:
-    return backend(resolve_lock_dir(_state.lock_dir))
+    return backend(resolve_lock_dir(_state.lock_dir), _state.backend)
 
 
 def _emit(obj: Any) -> None:

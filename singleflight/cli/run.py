@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 from singleflight import __version__, identity, names
@@ -11,6 +12,7 @@ from singleflight._const import (
     DEFAULT_KILL_GRACE,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
+    ENV_BACKEND,
     ExitCode,
 )
 from singleflight._log import FORMATS, Log
@@ -34,6 +36,9 @@ OPTIONS = [
     Option("--skip-if", dest="skip_if", metavar="CMD", help="after acquiring: exit 0 of CMD means already done"),
     Option("--busy-exit-code", dest="busy_code", metavar="N", help="exit code when busy (default 75)"),
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY or user@host)"),
+    Option(
+        "--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local)"
+    ),
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR or per user)"),
     Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
     Option("--log-format", dest="log_format", metavar="text|json", help="stderr line format (default text)"),
@@ -51,6 +56,18 @@ def _opt(values: dict[str, object], key: str, default: object) -> str:
     """The flag's value, or ``default`` only when the flag is absent (``--repo=`` is a bad scope)."""
     v = values.get(key)
     return str(default) if v is None else str(v)
+
+
+def backend_url(values: dict[str, object]) -> str | None:
+    """The distributed backend's URL, or None for the local lock dir."""
+    url = _opt_str(values, "backend")
+    if url is None:
+        url = os.environ.get(ENV_BACKEND) or None
+    if url is None or url == "local":
+        return None
+    if not url.startswith("etcd://"):
+        raise BadValue("--backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...]")
+    return url
 
 
 def build_options(argv: list[str]) -> RunOptions:
@@ -94,6 +111,10 @@ def build_options(argv: list[str]) -> RunOptions:
     )
 
 
+def _values(args: list[str]) -> dict[str, object]:
+    return parse(args, OPTIONS, positional=False)[0]
+
+
 def _pair(args: list[str], flag: str, value: str) -> bool:
     head = args[: args.index("--")] if "--" in args else args
     return any(a == flag and b == value for a, b in itertools.pairwise(head))
@@ -110,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     # Errors before parsing finishes still honour --log-format json.
     log = Log(PROG, fmt="json" if "--log-format=json" in args or _pair(args, "--log-format", "json") else "text")
     try:
-        return run(build_options(args))
+        opts = build_options(args)
+        url = backend_url(_values(args))
+        if url is not None:
+            from singleflight.etcd.run import EtcdRunner
+
+            return EtcdRunner(opts, url).run()
+        return run(opts)
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)

@@ -1,0 +1,219 @@
+"""The lock recipe on etcd, after etcd's own ``client/v3/concurrency/mutex.go``.
+
+    /pearing/SCOPE/@LOCK/q/TICKET     one key per ticket, on the ticket's lease, created
+                                      in a txn only if absent; the holder is the key with
+                                      the lowest create revision (FIFO for free), and that
+                                      revision is the fence
+    /pearing/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new holder waits
+                                      for these to go before it proceeds
+    /pearing/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
+    /pearing/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
+    /pearing/activity/IDENTITY        update-user-activity
+    /pearing/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
+
+A waiter watches only the key just ahead of it, from the revision it read the
+queue at, then re-reads the queue (and checks its own key still exists).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from singleflight._const import ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.etcd.client import Cluster, b64
+from singleflight.ticket import Ticket
+
+ROOT = "/pearing/"
+
+
+def ttl_of(seconds: float) -> int:
+    """etcd leases count whole seconds; round up so a lease is never shorter than asked."""
+    return max(2, math.ceil(seconds))
+
+
+class EtcdLock:
+    def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
+        self.cluster, self.repo, self.lock = cluster, repo, lock
+        self.base = f"{ROOT}{repo}/@{lock}/"
+        self.q, self.g, self.e, self.r = (self.base + s for s in ("q/", "g/", "e/", "r/"))
+
+    # -- queue ---------------------------------------------------------------
+
+    def enqueue(self, t: Ticket) -> tuple[int, int]:
+        """Create the ticket's key on a fresh lease; (lease id, create revision = fence if held)."""
+        lease = self.cluster.grant(ttl_of(t.lease_seconds))
+        key = self.q + t.ticket_id
+        r = self.cluster.txn(
+            [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+            [{"request_put": {"key": b64(key), "value": b64(_value(t, lease)), "lease": str(lease)}}],
+            [],
+        )
+        if not r.get("succeeded"):
+            self.cluster.revoke(lease)
+            raise RuntimeError(f"ticket key {key} already exists")
+        return lease, int(r["header"]["revision"])
+
+    def queue(self) -> tuple[list[dict[str, Any]], int]:
+        return self.cluster.range_prefix(self.q)
+
+    def holder(self) -> dict[str, Any] | None:
+        kvs, _ = self.queue()
+        return kvs[0] if kvs else None
+
+    def wait_turn(self, ticket_id: str, deadline: float) -> bool:
+        """Block until our key is the oldest (True), our key is gone, or the deadline (False)."""
+        mine = self.q + ticket_id
+        while True:
+            kvs, rev = self.queue()
+            keys = [kv["key"] for kv in kvs]
+            if mine not in keys:
+                return False
+            i = keys.index(mine)
+            if i == 0:
+                return self.wait_guards(deadline)
+            if not self.cluster.wait_deleted(keys[i - 1], rev, deadline):
+                return False
+
+    def wait_guards(self, deadline: float) -> bool:
+        """A guarded side effect of the previous holder lands before we proceed."""
+        while True:
+            guards, rev = self.cluster.range_prefix(self.g)
+            if not guards:
+                return True
+            if not self.cluster.wait_deleted(guards[0]["key"], rev, deadline):
+                return False
+
+    # -- tickets ---------------------------------------------------------------
+
+    def ticket(self, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
+        """The ticket as it stands now (state from the queue), and its queue key."""
+        kv = self.cluster.get(self.q + ticket_id)
+        if kv is not None:
+            t = _ticket(kv["value"])
+            first = self.holder()
+            held = first is not None and first["key"] == kv["key"]
+            t.state = HELD if held else WAITING
+            t.fence = kv["create_revision"] if held else None
+            return t, kv
+        ended = self.cluster.get(self.e + ticket_id)
+        return (_ticket(ended["value"]), None) if ended else None
+
+    def end(self, t: Ticket, lease: int, state: str, reason: str) -> None:
+        """Record the ticket's end (kept an hour), then revoke its lease: the key goes, the next is promoted."""
+        t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
+        self.cluster.put(self.e + t.ticket_id, _value(t, lease), keep)
+        self.cluster.revoke(lease)
+
+    def expire_if_gone(self, t: Ticket) -> None:
+        """A ticket whose key vanished without an end record (lease ran out): record it expired."""
+        if self.cluster.get(self.e + t.ticket_id) is None:
+            t.state, t.end_reason, t.ended_at = EXPIRED, "lease expired", time.time()
+            keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
+            self.cluster.put(self.e + t.ticket_id, _value(t, 0), keep)
+
+    # -- request records ---------------------------------------------------------
+
+    def read_request(self, uuid: str) -> dict[str, Any] | None:
+        kv = self.cluster.get(self.r + uuid)
+        return json.loads(kv["value"]) if kv else None
+
+    def write_request(self, uuid: str, record: dict[str, Any], ttl: float) -> None:
+        keep = self.cluster.grant(ttl_of(ttl))
+        self.cluster.put(self.r + uuid, json.dumps(record).encode(), keep)
+
+
+def _value(t: Ticket, lease: int) -> bytes:
+    obj = {name: getattr(t, name) for name in ("ticket_id", "request_uuid", "lock_name", "repo", "identity")}
+    obj.update(
+        state=t.state,
+        lease_seconds=t.lease_seconds,
+        lease=str(lease),
+        token_hash=t.token_hash,
+        holder_pid=t.holder_pid,
+        holder_host=os.uname().nodename,
+        created_at=t.created_at,
+        acquired_at=t.acquired_at,
+        ended_at=t.ended_at,
+        end_reason=t.end_reason,
+        fence=t.fence,
+    )
+    return json.dumps(obj).encode()
+
+
+def _ticket(raw: bytes) -> Ticket:
+    obj = json.loads(raw)
+    return Ticket(**{k: obj.get(k) for k in obj if k in Ticket.__slots__})
+
+
+def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: str) -> tuple[bool, str, int | None]:
+    """(live, reason, fence) for a token of a ticket held in etcd."""
+    import hmac
+
+    el = EtcdLock(cluster, repo, lock)
+    kvs, _ = el.queue()
+    mine = next((kv for kv in kvs if kv["key"] == el.q + ticket_id), None)
+    if mine is None:
+        ended = cluster.get(el.e + ticket_id)
+        t = _ticket(ended["value"]) if ended else None
+        if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
+            last = cluster.get(el.base + "last")
+            newer = kvs[0]["create_revision"] if kvs else int(last["value"]) if last else None
+            if newer is not None and t.fence is not None and newer > t.fence:
+                return False, f"superseded by fence {newer}", t.fence
+            return False, f"{t.state} ({t.end_reason})", t.fence
+        return False, "unknown or forged token (or its lease expired)", None
+    t = _ticket(mine["value"])
+    if not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
+        return False, "unknown or forged token", None
+    if kvs[0] is not mine:
+        return False, "not the holder: waiting in line", None
+    return True, "live", mine["create_revision"]
+
+
+def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
+    """The ledger as an etcd key, updated by compare-and-swap on its mod revision."""
+    from singleflight.errors import StaleFence
+
+    key = f"{ROOT}ledger/{resource}"
+    while True:
+        kv = cluster.get(key)
+        highest = int(kv["value"]) if kv else 0
+        if fence < highest:
+            raise StaleFence(resource, fence, highest)
+        if fence == highest:
+            return fence
+        cmp = (
+            {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(kv["mod_revision"])}
+            if kv
+            else {"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        )
+        r = cluster.txn([cmp], [{"request_put": {"key": b64(key), "value": b64(str(fence))}}], [])
+        if r.get("succeeded"):
+            return fence
+
+
+def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: float) -> tuple[str, int] | None:
+    """Register an in-flight guarded command, only while our ticket key exists.
+
+    A new holder waits for these keys to go (EtcdLock.wait_guards), so the side
+    effect lands before the next holder proceeds. Returns (key, lease) or None.
+    """
+    import uuid
+
+    el = EtcdLock(cluster, repo, lock)
+    lease = cluster.grant(ttl_of(seconds + 2))
+    key = el.g + str(uuid.uuid4())
+    r = cluster.txn(
+        [{"key": b64(el.q + ticket_id), "result": "GREATER", "target": "CREATE", "create_revision": "0"}],
+        [{"request_put": {"key": b64(key), "value": b64(ticket_id), "lease": str(lease)}}],
+        [],
+    )
+    if not r.get("succeeded"):
+        cluster.revoke(lease)
+        return None
+    return key, lease
