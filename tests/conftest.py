@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
 
 from singleflight._const import ENV_FAULT, ENV_LOCK_DIR
@@ -50,3 +51,22 @@ def procs(env: dict[str, str], tmp_path: Path, lock_dir: Path) -> Iterator[Procs
         yield p
     finally:
         p.cleanup()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real 3-member etcd cluster on loopback, for the whole session.
+
+    Skipped where etcd is not installed, except under CI (CI=true), where
+    .ci/run installs Debian's etcd-server and a skip would hide the suite.
+    """
+    if ETCD is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("etcd is not installed but CI=true: .ci/run must install etcd-server")
+        pytest.skip("etcd not installed (apt-get install etcd-server)")
+    cluster = Cluster(tmp_path_factory.mktemp("etcd"))
+    cluster.start_all()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
