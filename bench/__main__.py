@@ -109,10 +109,12 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
 # -- 3, 6: hand-over -------------------------------------------------------------
 
 
-def _chain(tool: str, waiters: int, tmp: Path) -> list[float]:
+def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> list[float]:
     """Start a holder, queue ``waiters`` runs behind it, release; hand-over gaps in ms."""
     d = Path(tempfile.mkdtemp(dir=tmp, prefix=f"chain-{tool}-"))
     env = _env(d / "lockdir")
+    if backend:
+        env["PEARING_BACKEND"] = backend
     gate, ready = d / "go", d / "ready"
     hold = f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.002; done; date +%s%N > {d}/h"
     lock = str(d / "flock.lock")
@@ -131,9 +133,11 @@ def _chain(tool: str, waiters: int, tmp: Path) -> list[float]:
         else:
             argv = [str(FLOCK), "-w", "300", lock, "date", "+%s%N"]
         procs.append(subprocess.Popen(argv, env=env, stdout=out))
-        if tool == "pearing":  # arrival order is part of what is measured
+        if tool == "pearing" and not backend:  # arrival order is part of what is measured
             qdir = d / "lockdir/locks/default/@c/queue"
             _wait_for(lambda n=i + 1, q=qdir: _queued(q) >= n, 20, "enqueue")
+        elif backend:
+            _wait_for(lambda n=i + 2: _etcd_queued(backend, "c") >= n, 20, "enqueue on etcd")
     # flock(1) has no queue to watch: give its waiters time to block in the kernel.
     if tool != "pearing":
         time.sleep(0.2 + waiters * 0.005)
@@ -175,6 +179,63 @@ def handover(tmp: Path, chains: int, length: int) -> dict[str, Any]:
     if FLOCK and res["flock -w"]:
         out["p50_difference_ms"] = out["pearing-run --wait-seconds"]["p50_ms"] - out["flock -w"]["p50_ms"]
     return out
+
+
+def _etcd_queued(url: str, job: str) -> int:
+    from singleflight.etcd.client import Cluster
+    from singleflight.etcd.lock import EtcdLock
+
+    kvs, _ = EtcdLock(Cluster(url), "default", job).queue()
+    return len(kvs)
+
+
+def etcd_handover(tmp: Path, length: int) -> dict[str, Any] | None:
+    """The same chain on a single-member etcd on loopback, next to the lock dir."""
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        return None
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(sk.getsockname()[1])
+    client, peer = ports
+    proc = subprocess.Popen(
+        [
+            etcd, "--name", "bench", "--data-dir", str(tmp / "etcd-data"),
+            "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"etcd://127.0.0.1:{client}"
+    try:
+        import urllib.request
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=0.5) as r:
+                    return b"true" in r.read()
+            except OSError:
+                return False
+
+        _wait_for(healthy, 20, "etcd")
+        on_etcd = _chain("pearing", length, tmp, backend=url)
+        local = _chain("pearing", length, tmp)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return {
+        "chain_length": length,
+        "etcd_p50_ms": statistics.median(on_etcd),
+        "etcd_p99_ms": _pct(on_etcd, 99),
+        "local_p50_ms": statistics.median(local),
+        "local_p99_ms": _pct(local, 99),
+    }
 
 
 def scale_waiters(tmp: Path, many: int) -> dict[str, Any]:
@@ -313,6 +374,9 @@ def _table(r: dict[str, Any]) -> str:
     ]
     m = r["many_locks"]
     lines += ["", "== many locks =="] + [f"{k}: {v if not isinstance(v, float) else round(v, 3)}" for k, v in m.items()]
+    if r.get("etcd"):
+        lines += ["", "== hand-over on etcd (single member, loopback) vs the lock dir =="]
+        lines += [f"{k}: {v if not isinstance(v, float) else round(v, 2)}" for k, v in r["etcd"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -331,6 +395,7 @@ def main() -> int:
             "waiters": scale_waiters(tmp, 10 if q else 100),
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
+            "etcd": etcd_handover(tmp, 5 if q else 20),
         }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
