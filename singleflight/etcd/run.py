@@ -128,7 +128,8 @@ class EtcdRunner(Runner):
         self.lease_id, _ = self.elock.enqueue(t)
         kvs, _ = self.elock.queue()
         first = bool(kvs) and kvs[0]["key"] == self.elock.q + t.ticket_id
-        if first and self.elock.wait_guards(time.monotonic() + 60):
+        # First in line, once the previous holder's guarded side effects have landed.
+        if first and self.elock.wait_guards(time.monotonic() + o.wait_seconds):
             return self.lease_id
         if o.wait_seconds <= 0:
             self.cluster.revoke(self.lease_id)
