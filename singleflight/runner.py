@@ -117,6 +117,10 @@ class Runner:
     def _drop_grip(self, grip: int) -> None:
         os.close(grip)  # only the holder may keep the lock open now
 
+    def _grip_fds(self, grip: int) -> set[int]:
+        """The fds the holder must keep (the lock fd); every other one is closed."""
+        return {grip}
+
     def _serve(self, grip: int, cfg: HolderConfig, chan: Channel) -> int:
         """In the forked holder: take ownership, report ``ready``, serve the lease."""
         return _holder_child(self.o, self.ticket, grip, cfg, chan)
@@ -310,7 +314,7 @@ class Runner:
             try:
                 os.close(to_w)
                 os.close(from_r)
-                detach({grip, to_r, from_w})
+                detach({*self._grip_fds(grip), to_r, from_w})
                 code = self._serve(grip, cfg, Channel(to_r, from_w))
             finally:
                 os._exit(code)
