@@ -85,7 +85,9 @@ def _agent(chan: Channel, lock_dir: str, repo: str, lock: str, ticket_id: str) -
             if got:
                 _fault.point("mid-promotion")
         finally:
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            # From here until the holder's own handler is in place, a poke (a heartbeat that
+            # shortened the lease, a release) stays pending instead of being lost or fatal.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
             waiter.leave()
         if not got:
             os.close(fd)
@@ -96,10 +98,13 @@ def _agent(chan: Channel, lock_dir: str, repo: str, lock: str, ticket_id: str) -
     if ticket is None or ticket.state != WAITING:
         chan.send("ended")
         return 1
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     lease.take_ownership(store, ticket, promoted=waited)
     chan.send("held")
     cfg = HolderConfig(heartbeat_auto=False, max_runtime=None, kill_grace=0.0, request_uuid=None, dedupe_window=0.0)
-    Holder(LocalLease(store, fd, ticket), cfg, chan).serve()
+    holder = Holder(LocalLease(store, fd, ticket), cfg, chan)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a pending poke is handled now
+    holder.serve()
     return 0  # not reached: serve() exits the process
 
 

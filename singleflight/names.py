@@ -69,9 +69,19 @@ def seconds(value: str | float, what: str, *, minimum: float = 0.0, allow_zero: 
     return number
 
 
+def _integer(value: str | float) -> int:
+    """int(value), refusing what int() would silently truncate (2.7) or crash on (inf)."""
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    try:
+        return int(value)
+    except OverflowError:
+        raise ValueError(value) from None
+
+
 def exit_status(value: str | int, what: str = "--busy-exit-code") -> int:
     try:
-        number = int(value)
+        number = _integer(value)
     except (TypeError, ValueError):
         raise BadValue(what, value, "must be an integer 0-255") from None
     if not 0 <= number <= 255:
@@ -81,7 +91,7 @@ def exit_status(value: str | int, what: str = "--busy-exit-code") -> int:
 
 def fence(value: str | int) -> int:
     try:
-        number = int(value)
+        number = _integer(value)
     except (TypeError, ValueError):
         raise BadValue("fence", value, "must be an integer >= 1") from None
     if number < 1:

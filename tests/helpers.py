@@ -8,6 +8,7 @@ process the test started.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +284,87 @@ class Procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=5)
+
+
+# -- reliability suite: consistent snapshots of a lock's records ----------------------------------
+
+
+@contextlib.contextmanager
+def lock_mutex(lock_dir: Path, job: str, repo: str = "default") -> Iterator[None]:
+    """Hold the lock's record mutex (``state.lock``, as the product does around every
+    read-modify-write), so a scan of tickets/ sees one consistent moment."""
+    try:
+        fd = os.open(store_dir(lock_dir, job, repo) / "state.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield  # nothing has been recorded yet: nothing to race with
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def held_records(lock_dir: Path, job: str, repo: str = "default") -> list[dict[str, Any]]:
+    """The ticket records in tickets/ with state held, read under the record mutex."""
+    with lock_mutex(lock_dir, job, repo):
+        return [rec for rec in ticket_records(lock_dir, job, repo=repo) if rec.get("state") == "held"]
+
+
+def record_alive(rec: dict[str, Any]) -> bool:
+    """Is the process a ticket names as its holder the very process that was recorded?"""
+    from singleflight import _proc
+
+    pid, start = rec.get("holder_pid"), rec.get("holder_start")
+    return isinstance(pid, int) and isinstance(start, int) and _proc.alive(pid, start)
+
+
+def assert_one_live_holder_at_most(lock_dir: Path, job: str, repo: str = "default") -> list[dict[str, Any]]:
+    """At most one ticket is held, and a held one has a live holder. Returns the held records."""
+    held = held_records(lock_dir, job, repo)
+    assert len(held) <= 1, f"{len(held)} tickets held at once: {held}"
+    for rec in held:
+        assert record_alive(rec), f"ticket recorded held but its holder is gone: {rec}"
+    return held
+
+
+def fence_on_disk(lock_dir: Path, job: str, repo: str = "default") -> int:
+    """The lock's fence file (0 when none was issued yet)."""
+    try:
+        text = (store_dir(lock_dir, job, repo) / "fence").read_text()
+    except FileNotFoundError:
+        return 0
+    return int(text)
+
+
+def kill_exact(pid: int, start: int | None, sig: int = signal.SIGKILL) -> bool:
+    """Signal ``pid`` only if it is still the process that started at ``start`` (no pid-reuse
+    accident): the check and the signal go through one pidfd. True if the signal was sent."""
+    from singleflight import _proc
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if start is None or _proc.start_time(pid) != start:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def live_agent_pids(lock_dir: Path) -> list[int]:
+    """Holder pids named by live (tickets/) records anywhere in the lock dir, if still alive."""
+    locks = lock_dir / "locks"
+    out = []
+    if locks.is_dir():
+        for path in locks.rglob("tickets/*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                rec = json.loads(path.read_text())
+                if record_alive(rec):
+                    out.append(int(rec["holder_pid"]))
+    return out
