@@ -178,6 +178,7 @@ class Runner:
             return None
         # Import what holding needs now, while we wait, not after the hand-over.
         import json  # noqa: F401
+        import secrets  # noqa: F401
         import select  # noqa: F401
 
         from singleflight import holder, lease  # noqa: F401
