@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
+from etcd_cluster import Cluster
 from helpers import BIN_DIR, pid_alive
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
@@ -137,9 +138,9 @@ def _sole(exc: BaseException) -> BaseException:
 
 
 @contextlib.asynccontextmanager
-async def serve(tmp_path: Path, agents: set[int]) -> AsyncIterator[Client]:
+async def serve(tmp_path: Path, agents: set[int], *extra: str) -> AsyncIterator[Client]:
     try:
-        async with _serve(tmp_path, agents) as client:
+        async with _serve(tmp_path, agents, *extra) as client:
             yield client
     except BaseException as exc:
         # A failed assertion reads as itself (and pytest.raises / xfail(raises=) match it),
@@ -151,10 +152,10 @@ async def serve(tmp_path: Path, agents: set[int]) -> AsyncIterator[Client]:
 
 
 @contextlib.asynccontextmanager
-async def _serve(tmp_path: Path, agents: set[int]) -> AsyncIterator[Client]:
+async def _serve(tmp_path: Path, agents: set[int], *extra: str) -> AsyncIterator[Client]:
     lock_dir = tmp_path / "lockdir"
     params = StdioServerParameters(
-        command=PEARING_MCP, args=["--lock-dir", str(lock_dir), "--identity", IDENTITY], cwd=str(tmp_path)
+        command=PEARING_MCP, args=["--lock-dir", str(lock_dir), "--identity", IDENTITY, *extra], cwd=str(tmp_path)
     )
     with (tmp_path / "server.stderr").open("w") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write), ClientSession(read, write) as session:
@@ -462,3 +463,22 @@ def test_the_sdk_is_imported_only_by_the_server() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+async def test_the_seed_acquisition_over_mcp_on_etcd(tmp_path: Path, agents: set[int], etcd: Cluster) -> None:
+    """The same tools with --backend etcd://...: held, queued, same-uuid retry, verify, promotion."""
+    lock = f"thread-work.{uuid.uuid4().hex[:8]}"
+    async with serve(tmp_path, agents, "--backend", etcd.url) as c:
+        held = await c.acquire(lock_name=lock)
+        assert held["state"] == "held" and held["fence"] >= 1 and held["token_file"]
+        waiting = await c.acquire(lock_name=lock, wait_seconds=0)
+        assert waiting["state"] == "waiting" and waiting["queue_position"] == 1
+        again = await c.acquire(waiting["request_uuid"], lock_name=lock, wait_seconds=0)
+        assert again["ticket_id"] == waiting["ticket_id"]
+        assert (await c.call("verify_token", token_file=held["token_file"]))["ok"] is True
+        ref = {"repo": SEED["repo"], "lock_name": lock}
+        released = await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"])
+        assert released["state"] == "released"
+        promoted = await c.acquire(waiting["request_uuid"], lock_name=lock, wait_seconds=10)
+        assert promoted["state"] == "held" and promoted["fence"] > held["fence"]
+        assert (await c.call("verify_token", token_file=held["token_file"]))["ok"] is False

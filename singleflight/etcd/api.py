@@ -65,10 +65,7 @@ class EtcdBackend:
         found = el.ticket(ticket_id)
         if found is None:
             raise UnknownTicket(ticket_id)
-        t, kv = found
-        if kv is None and t.state in (HELD, WAITING):
-            el.expire_if_gone(t)  # its lease ran out without an end record
-        return t, kv
+        return found
 
     def acquire(
         self, lock: str, repo: str, *, request_uuid: str, lease_seconds: float, wait_seconds: float, identity: str
@@ -126,7 +123,6 @@ class EtcdBackend:
         if kv is None:
             raise NotHeld(t.ticket_id, local_lease.describe_end(t))
         if self.cluster.keepalive(kv["lease"]) <= 0:
-            el.expire_if_gone(t)
             raise NotHeld(t.ticket_id, "lease expired")
         return self._view(el, t, kv)
 

@@ -7,6 +7,7 @@
     /pearing/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new holder waits
                                       for these to go before it proceeds
     /pearing/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
+    /pearing/SCOPE/@LOCK/t/TICKET     the ticket as created, kept an hour (a lapsed lease reads expired)
     /pearing/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
     /pearing/activity/IDENTITY        update-user-activity
     /pearing/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
@@ -39,17 +40,22 @@ class EtcdLock:
     def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
         self.cluster, self.repo, self.lock = cluster, repo, lock
         self.base = f"{ROOT}{repo}/@{lock}/"
-        self.q, self.g, self.e, self.r = (self.base + s for s in ("q/", "g/", "e/", "r/"))
+        self.q, self.g, self.e, self.r, self.t = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/"))
 
     # -- queue ---------------------------------------------------------------
 
     def enqueue(self, t: Ticket) -> tuple[int, int]:
         """Create the ticket's key on a fresh lease; (lease id, create revision = fence if held)."""
         lease = self.cluster.grant(ttl_of(t.lease_seconds))
-        key = self.q + t.ticket_id
+        # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
+        keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
+        key, value = self.q + t.ticket_id, b64(_value(t, lease))
         r = self.cluster.txn(
             [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
-            [{"request_put": {"key": b64(key), "value": b64(_value(t, lease)), "lease": str(lease)}}],
+            [
+                {"request_put": {"key": b64(key), "value": value, "lease": str(lease)}},
+                {"request_put": {"key": b64(self.t + t.ticket_id), "value": value, "lease": str(keep)}},
+            ],
             [],
         )
         if not r.get("succeeded"):
@@ -100,7 +106,14 @@ class EtcdLock:
             t.fence = kv["create_revision"] if held else None
             return t, kv
         ended = self.cluster.get(self.e + ticket_id)
-        return (_ticket(ended["value"]), None) if ended else None
+        if ended:
+            return _ticket(ended["value"]), None
+        copy = self.cluster.get(self.t + ticket_id)
+        if copy is None:
+            return None
+        t = _ticket(copy["value"])  # its lease lapsed without an end record
+        t.state, t.end_reason = EXPIRED, "lease expired"
+        return t, None
 
     def end(self, t: Ticket, lease: int, state: str, reason: str) -> None:
         """Record the ticket's end (kept an hour), then revoke its lease: the key goes, the next is promoted."""
@@ -108,13 +121,6 @@ class EtcdLock:
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         self.cluster.put(self.e + t.ticket_id, _value(t, lease), keep)
         self.cluster.revoke(lease)
-
-    def expire_if_gone(self, t: Ticket) -> None:
-        """A ticket whose key vanished without an end record (lease ran out): record it expired."""
-        if self.cluster.get(self.e + t.ticket_id) is None:
-            t.state, t.end_reason, t.ended_at = EXPIRED, "lease expired", time.time()
-            keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-            self.cluster.put(self.e + t.ticket_id, _value(t, 0), keep)
 
     # -- request records ---------------------------------------------------------
 
