@@ -53,6 +53,13 @@ def procs(env: dict[str, str], tmp_path: Path, lock_dir: Path) -> Iterator[Procs
         p.cleanup()
 
 
+@pytest.fixture
+def work_procs(procs: Procs, work: Path) -> Procs:
+    """``procs``, starting every process in ``work``: a COMMAND's relative files land there."""
+    procs.cwd = work
+    return procs
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A real 3-member etcd cluster on loopback, for the whole session.

@@ -61,6 +61,12 @@ def read_line_file(path: Path) -> str | None:
     return text if text.endswith("\n") else None
 
 
+def line_file(path: Path) -> str | None:
+    """The stripped line of a file written with ``echo ... > path`` (None until it is complete)."""
+    text = read_line_file(path)
+    return None if text is None else text.strip()
+
+
 def wait_line(path: Path, timeout: float = 10.0) -> str:
     """Wait until a COMMAND has written a complete line file; return it stripped."""
     return str(wait_for(lambda: read_line_file(path), timeout, f"{path.name} to be written")).strip()
@@ -181,6 +187,29 @@ class Result:
         )
 
 
+class TextResult:
+    """A finished process whose stdout and stderr were read as text (``Procs.run_text``)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, elapsed: float) -> None:
+        self.returncode, self.stdout, self.stderr, self.elapsed = returncode, stdout, stderr, elapsed
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+    def one_line(self) -> str:
+        """The one line on stderr; fails the test if there is not exactly one."""
+        lines = self.stderr.strip().splitlines()
+        assert len(lines) == 1, f"expected one line on stderr, got {self.stderr!r}"
+        return lines[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"TextResult(rc={self.returncode}, elapsed={self.elapsed:.3f}s, "
+            f"stdout={self.stdout[-2000:]!r}, stderr={self.stderr[-2000:]!r})"
+        )
+
+
 class Procs:
     """Starts processes for one test and leaves none of them running afterwards."""
 
@@ -198,7 +227,9 @@ class Procs:
         stdin: Any = subprocess.DEVNULL,
         stdout: Any = subprocess.PIPE,
         stderr: Any = subprocess.PIPE,
-    ) -> subprocess.Popen[bytes]:
+        text: bool = False,
+    ) -> subprocess.Popen[Any]:
+        """Start ``args``; with ``text`` its pipes carry str instead of bytes."""
         started = time.monotonic()
         p = subprocess.Popen(
             list(args),
@@ -207,6 +238,7 @@ class Procs:
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
+            text=text,
             start_new_session=True,
         )
         self.popens.append(p)
@@ -217,16 +249,27 @@ class Procs:
         """Start ``pearing-run ARGS``."""
         return self.start([PEARING_RUN, *args], **kw)
 
-    def finish(self, p: subprocess.Popen[bytes], timeout: float = 30.0) -> Result:
-        """Wait for exit and EOF on its pipes; elapsed is since start."""
+    def _communicate(self, p: subprocess.Popen[Any], timeout: float) -> tuple[Any, Any, float]:
+        """Wait for exit and EOF on its pipes: (stdout, stderr, seconds since start)."""
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{p.args!r} did not finish within {timeout:g} s")
-        return Result(p.returncode, out or b"", err or b"", time.monotonic() - self.started[p.pid])
+        return out, err, time.monotonic() - self.started[p.pid]
+
+    def finish(self, p: subprocess.Popen[bytes], timeout: float = 30.0) -> Result:
+        """Wait for exit and EOF on its pipes; elapsed is since start."""
+        out, err, elapsed = self._communicate(p, timeout)
+        return Result(p.returncode, out or b"", err or b"", elapsed)
 
     def run(self, args: Sequence[str], timeout: float = 30.0, **kw: Any) -> Result:
         return self.finish(self.start(args, **kw), timeout)
+
+    def run_text(self, args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 30.0) -> TextResult:
+        """Run ``args`` to the end with stdin from /dev/null, reading stdout and stderr as text."""
+        p = self.start(args, env=env, text=True)
+        out, err, elapsed = self._communicate(p, timeout)
+        return TextResult(p.returncode, out or "", err or "", elapsed)
 
     def pr_run(self, *args: str, timeout: float = 30.0, **kw: Any) -> Result:
         """Run ``pearing-run ARGS`` to the end."""
