@@ -192,6 +192,10 @@ def _etcd_queued(url: str, job: str) -> int:
 def etcd_handover(tmp: Path, length: int) -> dict[str, Any] | None:
     """The same chain on a single-member etcd on loopback, next to the lock dir."""
     etcd = shutil.which("etcd")
+    try:
+        import etcd3gw  # noqa: F401 - the etcd extra
+    except ImportError:
+        return None
     if etcd is None:
         return None
     import socket

@@ -1,0 +1,29 @@
+"""The benchmark itself keeps working: its quick mode runs every section and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert {"startup", "handover", "waiters", "expiry", "many_locks"} <= set(result)
+    assert result["handover"]["fifo_kept"] and result["waiters"]["fifo_kept"]
+    assert result["expiry"]["token_refused_in_term_trap"] == "3/3"
+    assert result["many_locks"]["status_listed"] == 200
+    assert "hand-over, chains of 5 waiters" in r.stdout
