@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from singleflight import lease as local_lease
-from singleflight._const import CANCELLED, EXPIRED, RELEASED
+from singleflight._const import CANCELLED, ENV_BACKEND, EXPIRED, RELEASED
 from singleflight.errors import BackendUnavailable, PearingError
 from singleflight.etcd.client import Cluster
 from singleflight.etcd.lock import EtcdLock, ttl_of
@@ -180,7 +180,8 @@ class EtcdRunner(Runner):
             cluster.put(elock.base + "last", str(t.fence).encode())
             # The token file names the backend, so pearing-guard checks the cluster.
             token_file = store.write_token_file(t, self.token, backend=self.url, lease=str(grip), key=kv["key"])
-            env = {"ETCD_LOCK_KEY": kv["key"], "ETCD_LOCK_REV": str(kv["create_revision"])}
+            # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
+            env = {"ETCD_LOCK_KEY": kv["key"], "ETCD_LOCK_REV": str(kv["create_revision"]), ENV_BACKEND: self.url}
             chan.send(
                 "ready " + json.dumps({"fence": t.fence, "token": self.token, "token_file": token_file, "env": env})
             )
