@@ -203,18 +203,25 @@ def test_partitioned_holder_loses_its_lease(
 ) -> None:
     """The holder talks only to a member we freeze: its lease lapses in the cluster, the
     waiter (on the other members) is promoted with a larger fence, the holder stops its
-    COMMAND and exits 124, and the guard refuses the stale token."""
+    COMMAND and exits 124, and the guard refuses the stale token. The holder gives up
+    early enough that its COMMAND (which ignores SIGTERM) is dead before the waiter starts."""
     lonely, *others = cluster.members
     gate = Gate(work)
     holder_env = dict(env, **{ENV_BACKEND: cluster.url_of(lonely)})
     waiter_env = dict(env, **{ENV_BACKEND: cluster.url_of(*others)})
-    script = f"cp $PEARING_TOKEN_FILE {q(work / 'old.token')}; echo $PEARING_FENCE > {q(work / 'f1')}; {gate.script()}"
-    holder = procs.pr(
-        "--job", job, "--lease-seconds", "2", "--kill-grace", "1", "--", "sh", "-c", script, env=holder_env
+    alive = q(work / "alive")
+    script = (
+        f"cp $PEARING_TOKEN_FILE {q(work / 'old.token')}; echo $PEARING_FENCE > {q(work / 'f1')}; "
+        f"trap 'date +%s%N > {q(work / 'term')}' TERM; touch {q(gate.ready)}; "
+        f"while :; do date +%s%N > {alive}.tmp && mv {alive}.tmp {alive}; sleep 0.01; done"
     )
+    holder = procs.pr(
+        "--job", job, "--lease-seconds", "6", "--kill-grace", "1", "--", "sh", "-c", script, env=holder_env
+    )  # fmt: skip
     gate.wait_ready()
     waiter = procs.pr(
-        "--job", job, "--wait-seconds", "30", "--", "sh", "-c", f"echo $PEARING_FENCE > {q(work / 'f2')}",
+        "--job", job, "--wait-seconds", "30", "--", "sh", "-c",
+        f"date +%s%N > {q(work / 'w_start')}; echo $PEARING_FENCE > {q(work / 'f2')}",
         env=waiter_env,
     )  # fmt: skip
     _wait_queued(waiter_env, procs.lock_dir, job, 1)
@@ -224,6 +231,8 @@ def test_partitioned_holder_loses_its_lease(
     assert h.returncode == ExitCode.LEASE_LOST, h
     assert w.returncode == 0, w
     assert int((work / "f2").read_text()) > int((work / "f1").read_text())
+    assert (work / "term").exists()  # stopped as on the local backend: SIGTERM first
+    assert int((work / "w_start").read_text()) > int((work / "alive").read_text()), "two COMMANDs at once"
     r = procs.run([PEARING_GUARD, "verify", "--token-file", str(work / "old.token")], env=waiter_env)
     assert r.returncode == ExitCode.REFUSED
 

@@ -31,10 +31,16 @@ if TYPE_CHECKING:
 class EtcdLease:
     """LeaseDriver for a ticket whose lock lives in etcd."""
 
-    def __init__(self, elock: EtcdLock, lease: int, ticket: Ticket, tokens: LockStore) -> None:
+    def __init__(self, elock: EtcdLock, lease: int, ticket: Ticket, tokens: LockStore, kill_grace: float) -> None:
         self.elock, self.lease, self.ticket, self.tokens = elock, lease, ticket, tokens
         self.ttl = ttl_of(ticket.lease_seconds)
-        ticket.lease_deadline_mono = time.monotonic() + self.ttl
+        # The cluster expires the lease on its own clock, whatever we do. So we give up
+        # early enough for COMMAND to be stopped (SIGTERM, then SIGKILL after the grace,
+        # after at most one more request timeout) before the next holder can be promoted:
+        # never two COMMANDs at once. Lease >= 3 x (grace + 1 s) keeps the whole grace.
+        self.margin = min(kill_grace + 0.5 + elock.cluster.timeout, self.ttl / 3)
+        self.unreachable = False
+        ticket.lease_deadline_mono = time.monotonic() + self.ttl - self.margin
         ticket.lease_expires_at = time.time() + self.ttl
         self.renew()
 
@@ -43,25 +49,35 @@ class EtcdLease:
         try:
             ttl = self.elock.cluster.keepalive(self.lease)
         except BackendUnavailable:
+            self.unreachable = True
             return  # the deadline stays where the last keepalive put it
+        self.unreachable = False
         # Counted from when we asked: etcd's clock started no earlier.
-        self.ticket.lease_deadline_mono = sent + ttl if ttl > 0 else 0.0
+        self.ticket.lease_deadline_mono = sent + ttl - self.margin if ttl > 0 else 0.0
 
     def check(self) -> str | None:
+        if self.unreachable:
+            return "backend unreachable"  # no more requests: the grace is counting
         sent = time.monotonic()
         try:
             left = self.elock.cluster.ttl(self.lease)
-            if left > 0:  # a manual heartbeat (pearing-cli) extended it in the cluster
-                self.ticket.lease_deadline_mono = sent + left
+            if left > 0 and sent + left - self.margin > time.monotonic():
+                # A manual heartbeat (pearing-cli) extended it in the cluster.
+                self.ticket.lease_deadline_mono = sent + left - self.margin
                 return None
+            if left > 0:
+                return "lease about to expire"
             now = self.elock.ticket(self.ticket.ticket_id)
         except BackendUnavailable:
+            self.unreachable = True
             return "backend unreachable"
         if now is not None and now[0].state == RELEASED:
             return RELEASED
         return "lease expired"
 
     def end(self, state: str, reason: str) -> None:
+        if self.unreachable:
+            return  # stopping COMMAND must not wait on a cluster we cannot reach
         with contextlib.suppress(BackendUnavailable):
             self.elock.end(self.ticket, self.lease, state, reason)
 
@@ -164,7 +180,9 @@ class EtcdRunner(Runner):
         from singleflight.holder import Holder
 
         try:
-            cluster = Cluster(self.url)  # fresh connections: the parent's are not ours
+            # Fresh connections (the parent's are not ours), and a request timeout short
+            # enough that a dead member cannot hold the holder past its deadline.
+            cluster = Cluster(self.url, timeout=max(0.2, min(1.0, ttl_of(self.o.lease_seconds) / 10)))
             elock = EtcdLock(cluster, self.o.repo, self.o.job)
             store = LockDir(self.o.lock_dir, create=False).lock_store(self.o.repo, self.o.job, create=False)
             found = elock.ticket(self.ticket.ticket_id)
@@ -175,7 +193,7 @@ class EtcdRunner(Runner):
             t.holder_pid = os.getpid()
             t.acquired_at = time.time()
             self.ticket.fence = t.fence
-            driver = EtcdLease(elock, grip, t, store)
+            driver = EtcdLease(elock, grip, t, store, self.o.kill_grace)
             # Remember the newest fence, so an older token can be told it was superseded.
             cluster.put(elock.base + "last", str(t.fence).encode())
             # The token file names the backend, so pearing-guard checks the cluster.
