@@ -17,7 +17,7 @@ from singleflight._const import CANCELLED, HELD, RELEASED, WAITING
 from singleflight.api import Outcome
 from singleflight.errors import NotHeld, UnknownTicket
 from singleflight.etcd.client import Cluster
-from singleflight.etcd.lock import ROOT, EtcdLock, _ticket
+from singleflight.etcd.lock import ROOT, EtcdLock, parse_ticket
 from singleflight.store import LockDir
 from singleflight.ticket import Ticket, new_uuid4
 
@@ -165,10 +165,10 @@ class EtcdBackend:
         for name in sorted(by_lock):
             el = EtcdLock(self.cluster, repo, name)
             q = by_lock[name]
-            holder = self._view(el, _ticket(q[0]["value"]), q[0])
+            holder = self._view(el, parse_ticket(q[0]["value"]), q[0])
             left = self.cluster.ttl(q[0]["lease"])
             holder["lease_left"] = float(left) if left > 0 else None
-            waiters = [self._view(el, _ticket(kv["value"]), kv) for kv in q[1:]]
+            waiters = [self._view(el, parse_ticket(kv["value"]), kv) for kv in q[1:]]
             out.append(
                 {
                     "lock_name": name,

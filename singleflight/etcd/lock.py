@@ -70,19 +70,19 @@ class EtcdLock:
         kvs, _ = self.queue()
         return kvs[0] if kvs else None
 
-    def wait_turn(self, ticket_id: str, deadline: float) -> bool:
-        """Block until our key is the oldest (True), our key is gone, or the deadline (False)."""
+    def wait_turn(self, ticket_id: str, deadline: float) -> dict[str, Any] | None:
+        """Block until our key is the oldest (its kv), our key is gone, or the deadline (None)."""
         mine = self.q + ticket_id
         while True:
             kvs, rev = self.queue()
             keys = [kv["key"] for kv in kvs]
             if mine not in keys:
-                return False
+                return None
             i = keys.index(mine)
             if i == 0:
-                return self.wait_guards(deadline)
+                return kvs[0] if self.wait_guards(deadline) else None
             if not self.cluster.wait_deleted(keys[i - 1], rev, deadline):
-                return False
+                return None
 
     def wait_guards(self, deadline: float) -> bool:
         """A guarded side effect of the previous holder lands before we proceed."""
@@ -99,7 +99,7 @@ class EtcdLock:
         """The ticket as it stands now (state from the queue), and its queue key."""
         kv = self.cluster.get(self.q + ticket_id)
         if kv is not None:
-            t = _ticket(kv["value"])
+            t = parse_ticket(kv["value"])
             first = self.holder()
             held = first is not None and first["key"] == kv["key"]
             t.state = HELD if held else WAITING
@@ -107,11 +107,11 @@ class EtcdLock:
             return t, kv
         ended = self.cluster.get(self.e + ticket_id)
         if ended:
-            return _ticket(ended["value"]), None
+            return parse_ticket(ended["value"]), None
         copy = self.cluster.get(self.t + ticket_id)
         if copy is None:
             return None
-        t = _ticket(copy["value"])  # its lease lapsed without an end record
+        t = parse_ticket(copy["value"])  # its lease lapsed without an end record
         t.state, t.end_reason = EXPIRED, "lease expired"
         return t, None
 
@@ -151,7 +151,7 @@ def _value(t: Ticket, lease: int) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _ticket(raw: bytes) -> Ticket:
+def parse_ticket(raw: bytes) -> Ticket:
     obj = json.loads(raw)
     return Ticket(**{k: obj.get(k) for k in obj if k in Ticket.__slots__})
 
@@ -165,7 +165,7 @@ def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: s
     mine = next((kv for kv in kvs if kv["key"] == el.q + ticket_id), None)
     if mine is None:
         ended = cluster.get(el.e + ticket_id)
-        t = _ticket(ended["value"]) if ended else None
+        t = parse_ticket(ended["value"]) if ended else None
         if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
             last = cluster.get(el.base + "last")
             newer = kvs[0]["create_revision"] if kvs else int(last["value"]) if last else None
@@ -173,7 +173,7 @@ def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: s
                 return False, f"superseded by fence {newer}", t.fence
             return False, f"{t.state} ({t.end_reason})", t.fence
         return False, "unknown or forged token (or its lease expired)", None
-    t = _ticket(mine["value"])
+    t = parse_ticket(mine["value"])
     if not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
         return False, "unknown or forged token", None
     if kvs[0] is not mine:

@@ -12,13 +12,13 @@ import contextlib
 import json
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from singleflight import lease as local_lease
-from singleflight._const import CANCELLED, ENV_BACKEND, EXPIRED, RELEASED
+from singleflight._const import CANCELLED, ENV_BACKEND, EXPIRED, HELD, RELEASED
 from singleflight.errors import BackendUnavailable, PearingError
 from singleflight.etcd.client import Cluster
-from singleflight.etcd.lock import EtcdLock, ttl_of
+from singleflight.etcd.lock import EtcdLock, parse_ticket, ttl_of
 from singleflight.runner import Runner, RunOptions
 from singleflight.store import LockDir, LockStore
 
@@ -100,6 +100,7 @@ class EtcdRunner(Runner):
         super().__init__(opts)
         self.url = url
         self.lease_id = 0
+        self.kv: dict[str, Any] = {}
 
     def _open(self) -> None:
         self.cluster = Cluster(self.url)
@@ -146,6 +147,7 @@ class EtcdRunner(Runner):
         first = bool(kvs) and kvs[0]["key"] == self.elock.q + t.ticket_id
         # First in line, once the previous holder's guarded side effects have landed.
         if first and self.elock.wait_guards(time.monotonic() + o.wait_seconds):
+            self.kv = kvs[0]
             return self.lease_id
         if o.wait_seconds <= 0:
             self.cluster.revoke(self.lease_id)
@@ -154,20 +156,21 @@ class EtcdRunner(Runner):
         started = time.monotonic()
         deadline = started + o.wait_seconds
         self.log.event("waiting", lock=o.job, max_wait=f"{o.wait_seconds:g}s")
-        got = False
-        while not got and time.monotonic() < deadline:
+        got = None
+        while got is None and time.monotonic() < deadline:
             # Keep our place: the waiting key's lease is renewed between watches.
             step = min(deadline, time.monotonic() + ttl_of(o.lease_seconds) / 3)
             got = self.elock.wait_turn(t.ticket_id, step)
-            if self.cluster.keepalive(self.lease_id) <= 0:
+            if got is None and self.cluster.keepalive(self.lease_id) <= 0:
                 break
         self.waited = time.monotonic() - started
-        if not got:
+        if got is None:
             with contextlib.suppress(BackendUnavailable):
                 self.elock.end(t, self.lease_id, CANCELLED, "wait timed out")
             self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
             return None
         t.promoted = True
+        self.kv = got
         return self.lease_id
 
     def _drop_grip(self, grip: int) -> None:
@@ -185,11 +188,10 @@ class EtcdRunner(Runner):
             cluster = Cluster(self.url, timeout=max(0.2, min(1.0, ttl_of(self.o.lease_seconds) / 10)))
             elock = EtcdLock(cluster, self.o.repo, self.o.job)
             store = LockDir(self.o.lock_dir, create=False).lock_store(self.o.repo, self.o.job, create=False)
-            found = elock.ticket(self.ticket.ticket_id)
-            kv = found[1] if found else None
-            if found is None or kv is None:
-                raise BackendUnavailable(self.url, "our ticket key vanished before we could hold it")
-            t = found[0]
+            # The wrapper saw our key first in line (with the previous holder's guards gone).
+            kv = self.kv
+            t = parse_ticket(kv["value"])
+            t.state, t.fence = HELD, kv["create_revision"]
             t.holder_pid = os.getpid()
             t.acquired_at = time.time()
             self.ticket.fence = t.fence
