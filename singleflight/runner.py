@@ -384,14 +384,20 @@ class Runner:
                     chan.fill()
                     for line in chan.lines():
                         if line.startswith("lost ") and self.lost is None:
-                            self.lost = line[5:]
-                            self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
+                            self._lost(line[5:])
                     if chan.eof:
                         poller.unregister(chan.rfd)
                         if self.lost is None:
                             self._holder_vanished(pid)
         finally:
             os.close(pidfd)
+
+    def _lost(self, reason: str) -> None:
+        self.lost = reason
+        if not self.o.heartbeat_auto and "expire" in reason:
+            # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
+            self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
+        self.log.event("lease-lost", lock=self.o.job, reason=reason)
 
     def _end_after_holder_death(self) -> None:
         """Bookkeeping for a holder killed while COMMAND runs (the kernel freed the lock)."""
@@ -405,8 +411,7 @@ class Runner:
         """The holder died (kill -9): the lock is free; the token is dead. Stop COMMAND."""
         import select
 
-        self.lost = "holder gone"
-        self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
+        self._lost("holder gone")
         self._end_after_holder_death()
         _killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.o.kill_grace
@@ -422,8 +427,7 @@ class Runner:
         chan.send(f"exited {status}")
         while (line := chan.recv()) is not None and line != "released":
             if line.startswith("lost ") and self.lost is None:
-                self.lost = line[5:]
-                self.log.event("lease-lost", lock=self.o.job, reason=self.lost)
+                self._lost(line[5:])
                 exit_code = int(ExitCode.LEASE_LOST)
         if line is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.

@@ -99,9 +99,10 @@ def test_lease_lost_line_and_json_format(procs: Procs, work: Path) -> None:
     )  # fmt: skip
     assert r.returncode == ExitCode.LEASE_LOST
     events = [json.loads(line) for line in r.err_lines]
-    assert [e["event"] for e in events] == ["acquired", "lease-lost"]
+    assert [e["event"] for e in events] == ["acquired", "heartbeat-missed", "lease-lost"]
     assert events[0]["prog"] == "pearing-run" and events[0]["fence"] == 1 and events[0]["ts"].endswith("Z")
-    assert events[1]["reason"] == "lease expired"
+    assert events[1]["lease"] == "0.5s"
+    assert events[2]["reason"] == "lease expired"
 
 
 def test_errors_are_json_too_with_json_format(procs: Procs) -> None:
