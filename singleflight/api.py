@@ -174,7 +174,11 @@ class LocalBackend:
 
     def _await_existing(self, store: LockStore, t: Ticket, wait_seconds: float) -> Outcome:
         """Same request uuid again: never a second ticket, never behind itself."""
-        if t.state == WAITING and wait_seconds > 0:
+        if t.state == WAITING and wait_seconds <= 0:
+            # Even without a wait: an agent that is not in line yet is still starting (or
+            # taking a free lock) and settles in moments; only a ticket in line is "waiting".
+            t = _settle(store, t.ticket_id)
+        elif t.state == WAITING:
             entry = next((n for n in queue.live_entries(store) if n.endswith("." + t.ticket_id)), None)
             # No entry: the agent has just left the line and is taking the lock (or is not
             # in line yet): its state changes in moments, so wait for that, not 75 at once.
@@ -301,6 +305,19 @@ def _recv_until(chan: Channel, deadline: float) -> str | None:
         ready, _, _ = select.select([chan.rfd], [], [], remaining)
         if ready:
             chan.fill()
+
+
+def _settle(store: LockStore, ticket_id: str, timeout: float = 2.0) -> Ticket:
+    """A waiting ticket once its agent is either in line or past waiting (polled, 5 ms)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        in_line = any(n.endswith("." + ticket_id) for n in queue.live_entries(store))
+        if t.state != WAITING or in_line or time.monotonic() > deadline:
+            return t
+        time.sleep(0.005)
 
 
 def _await_state_change(store: LockStore, ticket_id: str, timeout: float = 5.0) -> Ticket:

@@ -272,3 +272,30 @@ def test_manual_heartbeat_keeps_the_lease_and_its_absence_loses_it(
     silent = procs.pr_run(*flags, "--kill-grace", "1", "--", "sh", "-c", f"touch {q(work / 'up')}; sleep 30")
     assert silent.returncode == ExitCode.LEASE_LOST, silent
     assert silent.elapsed < 15
+
+
+def test_simultaneous_replays_run_once(backend: str, procs: Procs, work: Path, job: str) -> None:
+    """The webhook and its replay arrive at once, several times over: COMMAND runs exactly once."""
+    u = str(uuid.uuid4())
+    cmd = f"echo x >> {q(work / 'ran')}; sleep 0.3"
+    runs = [
+        procs.pr("--job", job, "--request-uuid", u, "--wait-seconds", "30", "--", "sh", "-c", cmd) for _ in range(6)
+    ]
+    codes = sorted(procs.finish(p, timeout=60).returncode for p in runs)
+    assert (work / "ran").read_text() == "x\n", codes
+    assert set(codes) <= {0, ExitCode.BUSY} and 0 in codes
+    # And a later replay is deduplicated.
+    assert procs.pr_run("--job", job, "--request-uuid", u, "--", "sh", "-c", cmd).returncode == 0
+    assert (work / "ran").read_text() == "x\n"
+
+
+def test_cli_same_uuid_at_once_makes_one_ticket(backend: str, procs: Procs, job: str) -> None:
+    """Two agents retry one acquisition at the same moment: one ticket, both see it."""
+    u = str(uuid.uuid4())
+    argv = [PEARING_CLI, "acquire-lock", job, "--request-uuid", u, "--lease-seconds", "30"]
+    calls = [procs.start(argv) for _ in range(4)]
+    results = [procs.finish(p) for p in calls]
+    tickets = {json.loads(r.stdout)["ticket_id"] for r in results}
+    assert len(tickets) == 1, results
+    assert [r.returncode for r in results] == [0] * 4
+    procs.run([PEARING_CLI, "release-lock-ticket", job, tickets.pop()])

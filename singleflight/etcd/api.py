@@ -74,12 +74,7 @@ class EtcdBackend:
         el = self._lock(lock, repo)
         rec = el.read_request(request_uuid)
         if rec and rec.get("ticket_id"):
-            found = el.ticket(str(rec["ticket_id"]))
-            if found is not None:
-                t, kv = found
-                if kv is None:
-                    return Outcome(self._view(el, t, None), 1, f"ticket {t.ticket_id}: {local_lease.describe_end(t)}")
-                return self._wait(el, t, kv, wait_seconds)
+            return self._existing(el, str(rec["ticket_id"]), wait_seconds)
         t = Ticket(
             ticket_id=new_uuid4(),
             request_uuid=request_uuid,
@@ -92,12 +87,29 @@ class EtcdBackend:
         )
         token = local_lease.mint_token()
         t.token_hash = local_lease.token_hash(token)
-        el.enqueue(t)
-        el.write_request(request_uuid, {"state": "active", "ticket_id": t.ticket_id}, _REQUEST_RETENTION)
+        lease, _ = el.enqueue(t)
+        # Only one acquisition per uuid, even when two arrive at once: the uuid record is
+        # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
+        keep = self.cluster.grant(int(_REQUEST_RETENTION))
+        if not el.claim_request(request_uuid, {"state": "active", "ticket_id": t.ticket_id}, keep, None):
+            self.cluster.revoke(lease)
+            self.cluster.revoke(keep)
+            rec = el.read_request(request_uuid) or {}
+            return self._existing(el, str(rec.get("ticket_id")), wait_seconds)
         # Written now, read by the owner once held: the token is never sent to the cluster.
         with self.lock_dir.lock_store(el.repo, el.lock) as store:
             store.write_token_file(t, token, backend=self.cluster.url)
         kv = self.cluster.get(el.q + t.ticket_id)
+        return self._wait(el, t, kv, wait_seconds)
+
+    def _existing(self, el: EtcdLock, ticket_id: str, wait_seconds: float) -> Outcome:
+        """The same request uuid again: its ticket, never a second one."""
+        found = el.ticket(ticket_id)
+        if found is None:
+            raise UnknownTicket(ticket_id)
+        t, kv = found
+        if kv is None:
+            return Outcome(self._view(el, t, None), 1, f"ticket {t.ticket_id}: {local_lease.describe_end(t)}")
         return self._wait(el, t, kv, wait_seconds)
 
     def _wait(self, el: EtcdLock, t: Ticket, kv: dict[str, Any] | None, wait_seconds: float) -> Outcome:

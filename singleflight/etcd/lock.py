@@ -44,9 +44,9 @@ class EtcdLock:
 
     # -- queue ---------------------------------------------------------------
 
-    def enqueue(self, t: Ticket) -> tuple[int, int]:
-        """Create the ticket's key on a fresh lease; (lease id, create revision = fence if held)."""
-        lease = self.cluster.grant(ttl_of(t.lease_seconds))
+    def enqueue(self, t: Ticket, lease: int = 0) -> tuple[int, int]:
+        """Create the ticket's key on its lease (a fresh one unless given); (lease id, revision)."""
+        lease = lease or self.cluster.grant(ttl_of(t.lease_seconds))
         # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         key, value = self.q + t.ticket_id, b64(_value(t, lease))
@@ -127,6 +127,21 @@ class EtcdLock:
     def read_request(self, uuid: str) -> dict[str, Any] | None:
         kv = self.cluster.get(self.r + uuid)
         return json.loads(kv["value"]) if kv else None
+
+    def claim_request(self, uuid: str, record: dict[str, Any], lease: int, seen: dict[str, Any] | None) -> bool:
+        """Write ``record`` only if the request key is still as ``seen`` (compare-and-swap).
+
+        The claim rides on the claimant's ticket lease: if the claimant dies, its claim
+        goes with it, and a replay may run again; while it lives, replays see it.
+        """
+        key = b64(self.r + uuid)
+        cmp = (
+            {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(seen["mod_revision"])}
+            if seen
+            else {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        )
+        put = {"request_put": {"key": key, "value": b64(json.dumps(record)), "lease": str(lease)}}
+        return bool(self.cluster.txn([cmp], [put], []).get("succeeded"))
 
     def write_request(self, uuid: str, record: dict[str, Any], ttl: float) -> None:
         keep = self.cluster.grant(ttl_of(ttl))

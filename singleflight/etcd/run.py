@@ -109,20 +109,23 @@ class EtcdRunner(Runner):
         self.store = LockDir(self.o.lock_dir).lock_store(self.o.repo, self.o.job)
 
     def _claim_request(self, request_uuid: str) -> str:
-        rec = self.elock.read_request(request_uuid)
-        now = time.time()
-        if rec is not None:
-            if rec.get("state") == "succeeded" and float(rec.get("expires_at") or 0) > now:
-                return "done"
-            if rec.get("state") == "active" and self.cluster.get(self.elock.q + str(rec.get("ticket_id"))):
-                return "busy"
-        self.elock.write_request(
-            request_uuid,
-            {"state": "active", "ticket_id": self.ticket.ticket_id, "created_at": now, "previous": rec},
-            self.o.dedupe_window + self.o.lease_seconds,
-        )
-        self.request_claimed = True
-        return "run"
+        # The ticket's lease comes first: the claim lives exactly as long as this run.
+        self.lease_id = self.cluster.grant(ttl_of(self.o.lease_seconds))
+        while True:
+            seen = self.cluster.get(self.elock.r + request_uuid)
+            rec = json.loads(seen["value"]) if seen else None
+            if rec is not None:
+                if rec.get("state") == "succeeded" and float(rec.get("expires_at") or 0) > time.time():
+                    self.cluster.revoke(self.lease_id)
+                    return "done"
+                if rec.get("state") == "active":  # on a live lease, or it would be gone
+                    self.cluster.revoke(self.lease_id)
+                    return "busy"
+            claim = {"state": "active", "ticket_id": self.ticket.ticket_id, "created_at": time.time(), "previous": rec}
+            if self.elock.claim_request(request_uuid, claim, self.lease_id, seen):
+                self.request_claimed = True
+                return "run"
+            # Someone changed the record between our read and write: look again.
 
     def _unclaim_request(self) -> None:
         uuid = self.o.request_uuid
@@ -142,7 +145,7 @@ class EtcdRunner(Runner):
         o, t = self.o, self.ticket
         self.token = local_lease.mint_token()
         t.token_hash = local_lease.token_hash(self.token)
-        self.lease_id, _ = self.elock.enqueue(t)
+        self.lease_id, _ = self.elock.enqueue(t, self.lease_id)
         kvs, _ = self.elock.queue()
         first = bool(kvs) and kvs[0]["key"] == self.elock.q + t.ticket_id
         # First in line, once the previous holder's guarded side effects have landed.
