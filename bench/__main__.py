@@ -303,8 +303,8 @@ def expiry(tmp: Path, runs: int) -> dict[str, Any]:
 def many_locks(tmp: Path, count: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from singleflight import lease
+    from singleflight.core.ticket import Ticket, new_uuid4
     from singleflight.store import LockDir
-    from singleflight.ticket import Ticket, new_uuid4
 
     lock_dir = tmp / "many"
     ld = LockDir(str(lock_dir))

@@ -14,10 +14,12 @@ import signal
 import sys
 from types import FrameType
 
-from singleflight import _fault, _proc, lease, queue
-from singleflight._channel import Channel
-from singleflight._const import CANCELLED, WAITING
-from singleflight.errors import PearingError
+from singleflight import lease, queue
+from singleflight.core import fault as _fault
+from singleflight.core import proc as _proc
+from singleflight.core.const import CANCELLED, WAITING
+from singleflight.core.errors import PearingError
+from singleflight.core.protocol import Channel
 from singleflight.holder import Holder, HolderConfig, LocalLease
 from singleflight.store import LockDir
 

@@ -15,12 +15,14 @@ import sys
 import time
 from typing import Any, Protocol
 
-from singleflight import _proc, lease, names, queue
-from singleflight._channel import Channel
-from singleflight._const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING, ExitCode
-from singleflight.errors import NotHeld, PearingError, UnknownTicket
+from singleflight import lease, queue
+from singleflight.core import names
+from singleflight.core import proc as _proc
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING, ExitCode
+from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
+from singleflight.core.protocol import Channel
+from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.store import LockDir, LockStore
-from singleflight.ticket import Ticket, new_uuid4
 
 # How long acquire-lock waits for its agent to start and report, beyond --wait-seconds.
 _AGENT_START_SECONDS = 15.0
@@ -354,7 +356,7 @@ def backend(lock_dir: str, url: str | None = None) -> Backend:
     """The local lock dir, or etcd when ``url`` (``--backend`` / PEARING_BACKEND) names it."""
     if url and url != "local":
         if not url.startswith("etcd://"):
-            from singleflight.errors import BadValue
+            from singleflight.core.errors import BadValue
 
             raise BadValue("backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...]")
         from singleflight.etcd.api import EtcdBackend

@@ -26,8 +26,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from singleflight import _fault, _proc, names
-from singleflight._const import (
+from singleflight.core import fault as _fault
+from singleflight.core import names
+from singleflight.core import proc as _proc
+from singleflight.core.const import (
     DEFAULT_GUARD_MAX_SECONDS,
     ENV_BACKEND,
     ENV_LOCK,
@@ -38,8 +40,8 @@ from singleflight._const import (
     ENV_TOKEN_FILE,
     HELD,
 )
-from singleflight._fs import Dir
-from singleflight.errors import BadValue, CorruptRecord, LockDirError, NotHeld, StaleFence, UsageError
+from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotHeld, StaleFence, UsageError
+from singleflight.core.fs import Dir
 from singleflight.lease import describe_end, token_hash
 from singleflight.store import LockDir, LockStore, resolve_lock_dir
 
@@ -153,7 +155,7 @@ def _judge(store: LockStore, claim: _Claim) -> Verdict:
 
 
 def _judge_etcd(claim: _Claim) -> Verdict:
-    from singleflight.errors import BackendUnavailable
+    from singleflight.core.errors import BackendUnavailable
     from singleflight.etcd import lock as etcd_lock
     from singleflight.etcd.client import Cluster
 

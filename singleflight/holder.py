@@ -16,11 +16,13 @@ import signal
 import time
 from typing import NoReturn, Protocol
 
-from singleflight import _fault, _proc, lease
-from singleflight._channel import Channel
-from singleflight._const import EXPIRED, HELD, RELEASED
+from singleflight import lease
+from singleflight.core import fault as _fault
+from singleflight.core import proc as _proc
+from singleflight.core.const import EXPIRED, HELD, RELEASED
+from singleflight.core.protocol import Channel
+from singleflight.core.ticket import Ticket
 from singleflight.store import LockStore
-from singleflight.ticket import Ticket
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

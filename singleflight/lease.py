@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from singleflight import _fault, _proc
-from singleflight._const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
-from singleflight.errors import NotHeld, UnknownTicket
+from singleflight.core import fault as _fault
+from singleflight.core import proc as _proc
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
+from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.ticket import Ticket
 from singleflight.store import LockStore
-from singleflight.ticket import Ticket
 
 
 def mint_token() -> str:

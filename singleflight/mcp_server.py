@@ -20,12 +20,13 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from singleflight import __version__, guard, identity, names
-from singleflight._const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_BACKEND, ENV_LOCK_DIR, ExitCode
-from singleflight._log import Log
+from singleflight import __version__, guard
 from singleflight.api import Backend, backend
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.errors import BadValue, PearingError, UsageError
+from singleflight.core import identity, names
+from singleflight.core.const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_BACKEND, ENV_LOCK_DIR, ExitCode
+from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.log import Log
 from singleflight.store import resolve_lock_dir
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from singleflight._fs import Dir
+from singleflight.core.fs import Dir
 from singleflight.store import LockStore
 
 _SEQ_FILE = ".seq"

@@ -14,8 +14,10 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from singleflight import _fault, _proc, queue
-from singleflight._const import (
+from singleflight import queue
+from singleflight.core import fault as _fault
+from singleflight.core import proc as _proc
+from singleflight.core.const import (
     CANCELLED,
     ENV_FENCE,
     ENV_LOCK,
@@ -30,13 +32,13 @@ from singleflight._const import (
     WAITING,
     ExitCode,
 )
-from singleflight._log import Log
-from singleflight.errors import PearingError
+from singleflight.core.errors import PearingError
+from singleflight.core.log import Log
+from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.store import LockDir, LockStore
-from singleflight.ticket import Ticket, new_uuid4
 
 if TYPE_CHECKING:
-    from singleflight._channel import Channel
+    from singleflight.core.protocol import Channel
     from singleflight.holder import HolderConfig
 
 # The busy skip is the hot path: it imports only what it needs. Holding (lease,
@@ -304,7 +306,7 @@ class Runner:
         return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
 
     def _fork_holder(self, grip: int, cfg: HolderConfig) -> Channel:
-        from singleflight._channel import Channel
+        from singleflight.core.protocol import Channel
         from singleflight.holder import detach
 
         to_r, to_w = os.pipe()

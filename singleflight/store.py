@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from singleflight import _fault
-from singleflight._const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, HOUSEKEEPING_EVERY, ROOT_LOCK_DIR
-from singleflight._fs import Dir, parse_int_record
-from singleflight.errors import BadValue, CorruptRecord
-from singleflight.ticket import Ticket
+from singleflight.core import fault as _fault
+from singleflight.core.const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, HOUSEKEEPING_EVERY, ROOT_LOCK_DIR
+from singleflight.core.errors import BadValue, CorruptRecord
+from singleflight.core.fs import Dir, parse_int_record
+from singleflight.core.ticket import Ticket
 
 
 def resolve_lock_dir(flag: str | None = None) -> str:

@@ -11,7 +11,7 @@ import pytest
 from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
 
-from singleflight._const import ENV_FAULT, ENV_LOCK_DIR
+from singleflight.core.const import ENV_FAULT, ENV_LOCK_DIR
 
 
 @pytest.fixture

@@ -356,7 +356,7 @@ def held_records(lock_dir: Path, job: str, repo: str = "default") -> list[dict[s
 
 def record_alive(rec: dict[str, Any]) -> bool:
     """Is the process a ticket names as its holder the very process that was recorded?"""
-    from singleflight import _proc
+    from singleflight.core import proc as _proc
 
     pid, start = rec.get("holder_pid"), rec.get("holder_start")
     return isinstance(pid, int) and isinstance(start, int) and _proc.alive(pid, start)
@@ -383,7 +383,7 @@ def fence_on_disk(lock_dir: Path, job: str, repo: str = "default") -> int:
 def kill_exact(pid: int, start: int | None, sig: int = signal.SIGKILL) -> bool:
     """Signal ``pid`` only if it is still the process that started at ``start`` (no pid-reuse
     accident): the check and the signal go through one pidfd. True if the signal was sent."""
-    from singleflight import _proc
+    from singleflight.core import proc as _proc
 
     try:
         fd = os.pidfd_open(pid)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import PEARING_CLI, PEARING_RUN, Procs, TextResult, line_file, pid_alive, q, wait_for
 
-from singleflight._const import ENV_IDENTITY, ENV_TICKET, ExitCode
+from singleflight.core.const import ENV_IDENTITY, ENV_TICKET, ExitCode
 
 # The seed walkthrough's values.
 _REPO = "teams/platform/website"

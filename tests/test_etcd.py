@@ -15,7 +15,7 @@ import pytest
 from etcd_cluster import Cluster
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 
-from singleflight._const import ENV_BACKEND, ExitCode
+from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.lock import EtcdLock
 

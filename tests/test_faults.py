@@ -47,7 +47,7 @@ from helpers import (
     wait_for,
 )
 
-from singleflight._const import ENV_FAULT, ENV_FENCE, ExitCode
+from singleflight.core.const import ENV_FAULT, ENV_FENCE, ExitCode
 
 SOFTWARE = int(ExitCode.SOFTWARE)
 REFUSED = int(ExitCode.REFUSED)

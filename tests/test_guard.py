@@ -32,7 +32,7 @@ from helpers import (
 )
 
 from singleflight import guard
-from singleflight._const import (
+from singleflight.core.const import (
     ENV_FENCE,
     ENV_LOCK,
     ENV_LOCK_DIR,
@@ -42,7 +42,7 @@ from singleflight._const import (
     ENV_TOKEN_FILE,
     ExitCode,
 )
-from singleflight.errors import StaleFence
+from singleflight.core.errors import StaleFence
 
 # A COMMAND body that says it started and then blocks until the test creates ``go``.
 _GATE = "touch ready; while [ ! -e go ]; do sleep 0.01; done"

@@ -38,11 +38,13 @@ from helpers import (
     wait_for,
 )
 
-from singleflight import _fs, _proc, guard, lease
-from singleflight._const import ENV_TICKET, ENV_TOKEN_FILE, HELD, ExitCode
-from singleflight.errors import LockDirError, NotHeld
+from singleflight import guard, lease
+from singleflight.core import fs as _fs
+from singleflight.core import proc as _proc
+from singleflight.core.const import ENV_TICKET, ENV_TOKEN_FILE, HELD, ExitCode
+from singleflight.core.errors import LockDirError, NotHeld
+from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.store import LockDir
-from singleflight.ticket import Ticket, new_uuid4
 
 NOPERM = int(ExitCode.NOPERM)
 IOERR = int(ExitCode.IOERR)
@@ -402,7 +404,7 @@ def test_expired_lease_is_not_revived_by_a_wall_clock_jump(
 
 
 class _FailingOs:
-    """``os`` as seen by singleflight._fs, with one call failing."""
+    """``os`` as seen by singleflight.core.fs, with one call failing."""
 
     def __init__(self, name: str, err: int) -> None:
         self._name, self._err = name, err

@@ -26,7 +26,7 @@ from etcd_cluster import Cluster
 from helpers import BIN_DIR, pid_alive
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from singleflight._const import ExitCode
+from singleflight.core.const import ExitCode
 
 PEARING_MCP = os.path.join(BIN_DIR, "pearing-mcp")
 TOOLS = {

@@ -18,7 +18,7 @@ import pytest
 from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_for
 
 from singleflight import __version__
-from singleflight._const import ExitCode
+from singleflight.core.const import ExitCode
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -263,7 +263,7 @@ def test_readme_python_guard_example_runs(procs: Procs, work: Path) -> None:
 
 
 def test_readme_mentions_every_exit_code_and_env_name() -> None:
-    from singleflight import _const
+    from singleflight.core import const as _const
 
     for code in (0, 1, 64, 70, 73, 74, 75, 77, 124, 126, 127):
         assert re.search(rf"\| (\d+ / )?{code}( / \d+)? \|", README), code

@@ -38,7 +38,7 @@ from helpers import (
     wait_line,
 )
 
-from singleflight._const import (
+from singleflight.core.const import (
     ENV_FENCE,
     ENV_LOCK,
     ENV_LOCK_DIR,

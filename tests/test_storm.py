@@ -31,7 +31,7 @@ from helpers import (
     wait_for,
 )
 
-from singleflight._const import ENV_FENCE, ExitCode
+from singleflight.core.const import ENV_FENCE, ExitCode
 
 LEASE_LOST = int(ExitCode.LEASE_LOST)
 SOFTWARE = int(ExitCode.SOFTWARE)

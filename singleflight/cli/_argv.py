@@ -7,7 +7,7 @@ typer costs ~60 ms to import, more than the whole budget of a cron tick's
 
 from __future__ import annotations
 
-from singleflight.errors import UsageError
+from singleflight.core.errors import UsageError
 
 
 class Option:

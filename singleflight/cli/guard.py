@@ -14,11 +14,12 @@ import select
 import signal
 import sys
 
-from singleflight import __version__, guard, names
-from singleflight._const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
-from singleflight._log import Log
+from singleflight import __version__, guard
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.errors import PearingError, UsageError
+from singleflight.core import names
+from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
+from singleflight.core.errors import PearingError, UsageError
+from singleflight.core.log import Log
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"

@@ -21,8 +21,10 @@ except ImportError:  # pragma: no cover
     from click.exceptions import ClickException  # type: ignore[assignment]
     from click.exceptions import UsageError as ClickUsageError  # type: ignore[assignment]
 
-from singleflight import __version__, identity, names
-from singleflight._const import (
+from singleflight import __version__
+from singleflight.api import Backend, backend
+from singleflight.core import identity, names
+from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
@@ -31,9 +33,8 @@ from singleflight._const import (
     ENV_TICKET,
     ExitCode,
 )
-from singleflight._log import Log
-from singleflight.api import Backend, backend
-from singleflight.errors import PearingError, UsageError
+from singleflight.core.errors import PearingError, UsageError
+from singleflight.core.log import Log
 from singleflight.store import resolve_lock_dir
 
 PROG = "pearing-cli"

@@ -6,8 +6,10 @@ import itertools
 import os
 import sys
 
-from singleflight import __version__, identity, names
-from singleflight._const import (
+from singleflight import __version__
+from singleflight.cli._argv import Option, parse, usage
+from singleflight.core import identity, names
+from singleflight.core.const import (
     DEFAULT_DEDUPE_WINDOW,
     DEFAULT_KILL_GRACE,
     DEFAULT_LEASE_SECONDS,
@@ -15,9 +17,8 @@ from singleflight._const import (
     ENV_BACKEND,
     ExitCode,
 )
-from singleflight._log import FORMATS, Log
-from singleflight.cli._argv import Option, parse, usage
-from singleflight.errors import BadValue, PearingError, UsageError
+from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.log import FORMATS, Log
 from singleflight.runner import RunOptions, run
 from singleflight.store import resolve_lock_dir
 

@@ -12,14 +12,14 @@ import time
 from typing import Any
 
 from singleflight import lease as local_lease
-from singleflight import names
-from singleflight._const import CANCELLED, HELD, RELEASED, WAITING
 from singleflight.api import Outcome
-from singleflight.errors import NotHeld, UnknownTicket
+from singleflight.core import names
+from singleflight.core.const import CANCELLED, HELD, RELEASED, WAITING
+from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.etcd.client import Cluster
 from singleflight.etcd.lock import ROOT, EtcdLock, parse_ticket
 from singleflight.store import LockDir
-from singleflight.ticket import Ticket, new_uuid4
 
 _REQUEST_RETENTION = 24 * 3600.0
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from singleflight.errors import BackendUnavailable, BadValue
+from singleflight.core.errors import BackendUnavailable, BadValue
 
 API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
 _T = TypeVar("_T")

@@ -24,9 +24,9 @@ import os
 import time
 from typing import Any
 
-from singleflight._const import ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, b64
-from singleflight.ticket import Ticket
 
 ROOT = "/pearing/"
 
@@ -198,7 +198,7 @@ def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: s
 
 def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
     """The ledger as an etcd key, updated by compare-and-swap on its mod revision."""
-    from singleflight.errors import StaleFence
+    from singleflight.core.errors import StaleFence
 
     key = f"{ROOT}ledger/{resource}"
     while True:

@@ -15,17 +15,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from singleflight import lease as local_lease
-from singleflight._const import CANCELLED, ENV_BACKEND, EXPIRED, HELD, RELEASED
-from singleflight.errors import BackendUnavailable, PearingError
+from singleflight.core.const import CANCELLED, ENV_BACKEND, EXPIRED, HELD, RELEASED
+from singleflight.core.errors import BackendUnavailable, PearingError
 from singleflight.etcd.client import Cluster
 from singleflight.etcd.lock import EtcdLock, parse_ticket, ttl_of
 from singleflight.runner import Runner, RunOptions
 from singleflight.store import LockDir, LockStore
 
 if TYPE_CHECKING:
-    from singleflight._channel import Channel
+    from singleflight.core.protocol import Channel
+    from singleflight.core.ticket import Ticket
     from singleflight.holder import HolderConfig
-    from singleflight.ticket import Ticket
 
 
 class EtcdLease:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from singleflight.errors import BadValue
+from singleflight.core.errors import BadValue
 
 _ALNUM: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _NAME_CHARS: Final = _ALNUM | frozenset("._-")

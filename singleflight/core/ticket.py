@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from singleflight._const import HELD, WAITING
+from singleflight.core.const import HELD, WAITING
 
 # Stored fields, in order. Those starting with an underscore in PUBLIC_HIDDEN
 # never leave the lock dir (token_hash) or mean nothing to users (monotonic stamps).

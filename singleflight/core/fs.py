@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Final
 
-from singleflight.errors import CorruptRecord, LockDirError, NotPermitted
+from singleflight.core.errors import CorruptRecord, LockDirError, NotPermitted
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from singleflight import names
-from singleflight._const import ENV_IDENTITY
+from singleflight.core import names
+from singleflight.core.const import ENV_IDENTITY
 
 
 def resolve(flag: str | None = None) -> str:

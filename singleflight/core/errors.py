@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from singleflight._const import ExitCode
+from singleflight.core.const import ExitCode
 
 
 class PearingError(Exception):

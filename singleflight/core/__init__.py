@@ -1,0 +1,1 @@
+"""Core: names, records, files, processes and messages. Imports no backend."""
