@@ -183,9 +183,9 @@ def handover(tmp: Path, chains: int, length: int) -> dict[str, Any]:
 
 def _etcd_queued(url: str, job: str) -> int:
     from singleflight.etcd.client import Cluster
-    from singleflight.etcd.lock import EtcdLock
+    from singleflight.etcd.lock import Mutex
 
-    kvs, _ = EtcdLock(Cluster(url), "default", job).queue()
+    kvs, _ = Mutex(Cluster(url), "default", job).queue()
     return len(kvs)
 
 
@@ -302,9 +302,8 @@ def expiry(tmp: Path, runs: int) -> dict[str, Any]:
 
 def many_locks(tmp: Path, count: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from singleflight import lease
-    from singleflight.core.ticket import Ticket, new_uuid4
-    from singleflight.store import LockDir
+    from singleflight.core.ticket import RequestRecord, Ticket, new_uuid4
+    from singleflight.local.store import LockDir
 
     lock_dir = tmp / "many"
     ld = LockDir(str(lock_dir))
@@ -329,8 +328,11 @@ def many_locks(tmp: Path, count: int) -> dict[str, Any]:
         st.sub("requests")
         before = _du_bytes(lock_dir / "locks/default/@dedupe/requests")
         for _ in range(200):
-            t = Ticket(ticket_id=new_uuid4(), fence=1)
-            lease.record_request(st, new_uuid4(), t, 0, 86400)
+            t = Ticket(
+                ticket_id=new_uuid4(), request_uuid=new_uuid4(), lock_name="dedupe", repo="default", identity="b"
+            )
+            t.fence = 1
+            st.write_request(t.request_uuid, RequestRecord.finished(t, 0, 86400))
         after = _du_bytes(lock_dir / "locks/default/@dedupe/requests")
         pruned_now = st.prune_requests(time.time() + 86401)
     return {

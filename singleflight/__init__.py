@@ -1,9 +1,26 @@
 """pearing singleflight: exactly one responder does the contested step.
 
+    from singleflight import Busy, LeaseLost, Lock
+
 Importing the package is cheap on purpose: ``pearing-run`` and ``pearing-guard
-verify`` are on hot paths, so submodules are imported only where used.
+verify`` are on hot paths, so the public names load their modules only when
+first used.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+__all__ = ["Busy", "LeaseLost", "Lock", "__version__"]
+
+if TYPE_CHECKING:
+    from singleflight.api import Busy, LeaseLost, Lock
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Busy", "LeaseLost", "Lock"):
+        from singleflight import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'singleflight' has no attribute {name!r}")

@@ -1,113 +1,92 @@
-"""The detached holder of a ``pearing-cli acquire-lock`` ticket.
+"""The agent: the detached holder of a ticket taken by ``pearing-cli acquire-lock``,
+``pearing-mcp`` or ``Lock``. It is pearing-run without a COMMAND: the same acquire
+path (``runner.acquire``), the same holder.
 
-Run as ``python -m singleflight.agent LOCK_DIR REPO LOCK TICKET FD`` with FD a
-pipe to the CLI call that started it. It waits in the FIFO queue while its
-owner heartbeats the waiting ticket, takes the lock, then keeps the lease until
-release, lease expiry without heartbeat, or the kill of its process. It reports
-``queued``, ``held``, ``ended`` or ``error CODE MESSAGE`` lines on FD; the CLI may be long gone.
+    python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual]
+
+It waits in the FIFO line while its owner heartbeats the waiting ticket, takes
+the lock, then keeps the lease until release, lease expiry without heartbeat,
+or the kill of its process. It reports on REPORT_FD (``queued``, ``ready``,
+``ended``, ``lost``, ``released``, ``error``); the owner may be long gone. A
+``Lock`` also gives CONTROL_FD: ``started PID STAMP`` when its block begins
+(the lease is then renewed while that process lives) and ``exited`` when it ends.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
-from types import FrameType
 
-from singleflight import lease, queue
-from singleflight.core import fault as _fault
-from singleflight.core import proc as _proc
-from singleflight.core.const import CANCELLED, WAITING
+from singleflight.backend import open_backend
+from singleflight.core import protocol
+from singleflight.core.const import ExitCode
 from singleflight.core.errors import PearingError
+from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
-from singleflight.holder import Holder, HolderConfig, LocalLease
-from singleflight.store import LockDir
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise queue.Interrupted
+from singleflight.holder import Holder, HolderConfig
+from singleflight.runner import acquire
 
 
 def main(argv: list[str]) -> int:
-    lock_dir, repo, lock, ticket_id, report_fd = argv
+    url, lock_dir, repo, lock, ticket_id, report_fd, *control = argv
     # Daemonise: the caller reaps our parent at once, so a long-lived caller
     # (pearing-mcp) collects no zombies; init reaps us when the lease ends.
     if os.fork() > 0:
         os._exit(0)
+    ensure_std_fds()
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    chan = Channel(-1, int(report_fd))
+    chan = Channel(int(control[0]) if control else -1, int(report_fd))
+    auto = control[1:] == ["auto"]
     try:
-        return _agent(chan, lock_dir, repo, lock, ticket_id)
+        return _agent(chan, url, lock_dir, (repo, lock, ticket_id), auto=auto)
     except PearingError as exc:
-        # A corrupt record or a planted symlink: the CLI call exits with this code and line.
-        chan.send(f"error {int(exc.exit_code)} {exc}")
+        # A corrupt record or a planted symlink: the owner exits with this code and line.
+        chan.send(protocol.error(exc.exit_code, str(exc)))
         return int(exc.exit_code)
 
 
-def _agent(chan: Channel, lock_dir: str, repo: str, lock: str, ticket_id: str) -> int:
-    store = LockDir(lock_dir, create=False).lock_store(repo, lock, create=False)
-    ticket = store.read_ticket(ticket_id)
-    if ticket is None or ticket.state != WAITING:
-        chan.send("ended")
-        return 1
-    with store.mutex():
-        # From here on the ticket's liveness is ours (the CLI call may exit).
-        ticket = store.read_ticket(ticket_id)
-        if ticket is None or ticket.state != WAITING:
-            chan.send("ended")
-            return 1
-        ticket.holder_pid, ticket.holder_start = os.getpid(), _proc.start_time(os.getpid())
-        store.write_ticket(ticket)
-    fd = store.open_lock_file()
-    waited = False
-    if not (queue.try_flock(fd) and not queue.live_entries(store)):
-        waited = True
-        waiter = queue.Waiter(store, ticket_id)
-        with store.mutex():
-            ticket = store.read_ticket(ticket_id)
-            if ticket is None or ticket.state != WAITING:
-                chan.send("ended")
-                return 1
-            ticket.queue_seq = waiter.enqueue()
-            store.write_ticket(ticket)
-        chan.send("queued")
+def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], *, auto: bool) -> int:
+    repo, lock, ticket_id = where
+    lk = open_backend(url, lock_dir).lock(repo, lock, create=False)
+    # From here on the ticket's liveness is ours (the CLI call may exit).
+    ticket = lk.adopt(ticket_id, os.getpid())
+    if ticket is None:
+        chan.send(protocol.Message(protocol.ENDED))
+        return int(ExitCode.REFUSED)
+    queued = False
 
-        def deadline() -> float:
-            """The waiting lease, as heartbeats extend it; 0 once released/cancelled."""
-            t = store.read_ticket(ticket_id)
-            if t is None or t.state != WAITING or t.lease_deadline_mono is None:
-                return 0.0
-            return t.lease_deadline_mono
+    def on_queued(position: int) -> None:
+        nonlocal queued
+        queued = True
+        chan.send(protocol.Message(protocol.QUEUED))
 
-        # release-lock-ticket pokes us with SIGUSR1 to re-read the ticket at once.
-        signal.signal(signal.SIGUSR1, _interrupt)
-        got = False
-        try:
-            got = waiter.wait(fd, deadline)
-            if got:
-                _fault.point("mid-promotion")
-        finally:
-            # From here until the holder's own handler is in place, a poke (a heartbeat that
-            # shortened the lease, a release) stays pending instead of being lost or fatal.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-            waiter.leave()
-        if not got:
-            os.close(fd)
-            lease.end(store, ticket_id, CANCELLED, "waiting lease expired without heartbeat", only_if_held=False)
-            chan.send("ended")
-            return 0
-    ticket = store.read_ticket(ticket_id)
-    if ticket is None or ticket.state != WAITING:
-        chan.send("ended")
-        return 1
+    grip = acquire(
+        lk,
+        ticket,
+        wait=math.inf,
+        deadline=lambda: lk.waiting_deadline(ticket_id),
+        on_queued=on_queued,
+        timeout_reason="waiting lease expired without heartbeat",
+    )
+    if grip is None:
+        chan.send(protocol.Message(protocol.ENDED))
+        return 0
+    # A poke (a heartbeat that shortened the lease, a release) stays pending until the
+    # holder's own handler is in place, instead of being lost or fatal.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    lease.take_ownership(store, ticket, promoted=waited)
-    chan.send("held")
-    cfg = HolderConfig(heartbeat_auto=False, max_runtime=None, kill_grace=0.0, request_uuid=None, dedupe_window=0.0)
-    holder = Holder(LocalLease(store, fd, ticket), cfg, chan)
+    current = lk.read(ticket_id)
+    if current is None or not current.live:  # released while it was being promoted
+        grip.close()
+        chan.send(protocol.Message(protocol.ENDED))
+        return 0
+    lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
+    chan.send(protocol.ready(taken))
+    cfg = HolderConfig(heartbeat_auto=auto, owned_by_wrapper=False)
+    holder = Holder(lease, cfg, chan)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a pending poke is handled now
     holder.serve()
-    return 0  # not reached: serve() exits the process
 
 
 if __name__ == "__main__":

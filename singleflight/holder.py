@@ -1,10 +1,11 @@
-"""The detached holder: owns the lock fd, the lease and its TTL.
+"""The detached holder: owns the lock, the lease and its TTL, on any backend.
 
-Started by ``pearing-run`` (a fork, to keep the hot path short) or by
-``pearing-cli acquire-lock`` (an exec of ``python -m singleflight.agent``). It
-lives in its own session, with stdin/stdout/stderr on /dev/null and no other
-inherited fd, so cron's pipe sees EOF when the job ends and a terminal's ^C
-does not reach it. The lock fd lives only here: COMMAND never inherits it.
+Started by ``pearing-run`` (a fork, to keep the hot path short) or as the agent
+of ``pearing-cli acquire-lock`` / ``pearing-mcp`` / ``Lock`` (an exec of
+``python -m singleflight.agent``). It lives in its own session, with
+stdin/stdout/stderr on /dev/null and no other inherited fd, so cron's pipe sees
+EOF when the job ends and a terminal's ^C does not reach it. The lock fd lives
+only here and (close-on-exec) in the wrapper: COMMAND never inherits it.
 """
 
 from __future__ import annotations
@@ -14,41 +15,51 @@ import os
 import select
 import signal
 import time
-from typing import NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn
 
-from singleflight import lease
-from singleflight.core import fault as _fault
-from singleflight.core import proc as _proc
-from singleflight.core.const import EXPIRED, HELD, RELEASED
+from singleflight.core import fault, proc, protocol
+from singleflight.core.const import EXPIRED, RELEASED
+from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
-from singleflight.core.ticket import Ticket
-from singleflight.store import LockStore
+
+if TYPE_CHECKING:
+    from singleflight.backend import Lease
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# poll() takes an int of milliseconds: a ten-year lease must not overflow it.
+_MAX_POLL_MS = 2**31 - 1
+# select() takes at most this many seconds on every platform Python supports.
+_MAX_SELECT_S = 86400.0 * 365
 
 
 class HolderConfig:
-    __slots__ = ("dedupe_window", "heartbeat_auto", "kill_grace", "max_runtime", "request_uuid")
+    __slots__ = ("dedupe_window", "heartbeat_auto", "kill_grace", "max_runtime", "owned_by_wrapper", "request_uuid")
 
     def __init__(
         self,
         *,
         heartbeat_auto: bool,
-        max_runtime: float | None,
-        kill_grace: float,
-        request_uuid: str | None,
-        dedupe_window: float,
+        max_runtime: float | None = None,
+        kill_grace: float = 0.0,
+        request_uuid: str | None = None,
+        dedupe_window: float = 0.0,
+        owned_by_wrapper: bool = True,
     ) -> None:
         self.heartbeat_auto = heartbeat_auto
         self.max_runtime = max_runtime
         self.kill_grace = kill_grace
         self.request_uuid = request_uuid
         self.dedupe_window = dedupe_window
+        # pearing-run's holder: the wrapper's end of the channel closing before COMMAND
+        # started means it died, so release; its COMMAND is stopped on loss. An agent's
+        # owner (a CLI call) may hang up at any time; a Lock's process is never signalled.
+        self.owned_by_wrapper = owned_by_wrapper
 
 
 def detach(keep: set[int]) -> None:
     """Leave the caller's session and let go of every fd it gave us."""
+    assert not keep & {0, 1, 2}, "fds the holder keeps live above 2 (ensure_std_fds first)"
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -68,80 +79,21 @@ def _pidfd(pid: int, stamp: int | None) -> int | None:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return None
-    if _proc.start_time(pid) != stamp:
+    if proc.start_time(pid) != stamp:
         os.close(fd)
         return None
     return fd
 
 
-class LeaseDriver(Protocol):
-    """What the holder needs of a backend: the lease, the token's liveness, the lock."""
-
-    ticket: Ticket
-
-    def renew(self) -> None:
-        """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat)."""
-
-    def check(self) -> str | None:
-        """At the deadline or when poked: None if still ours (deadline updated), RELEASED if
-        its owner released it, else why it was lost."""
-
-    def end(self, state: str, reason: str) -> None:
-        """The token stops being live (after in-flight guarded commands)."""
-
-    def record_request(self, request_uuid: str, status: int | None, window: float) -> None: ...
-
-    def remove_token_file(self) -> None: ...
-
-    def release(self) -> None:
-        """Let go of the lock: the next waiter is promoted now."""
-
-    def housekeeping(self) -> None: ...
-
-
-class LocalLease:
-    """The kernel-flock backend: the lock fd, and the ticket records in the lock dir."""
-
-    def __init__(self, store: LockStore, lock_fd: int, ticket: Ticket) -> None:
-        self.store, self.lock_fd, self.ticket = store, lock_fd, ticket
-
-    def renew(self) -> None:
-        self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
-
-    def check(self) -> str | None:
-        with self.store.mutex():
-            t = self.store.read_ticket(self.ticket.ticket_id)
-        if t is None or t.state != HELD:
-            return RELEASED if t is not None and t.state == RELEASED else f"ticket {t.state if t else 'vanished'}"
-        self.ticket = t
-        return "lease expired" if (t.lease_deadline_mono or 0) <= time.monotonic() else None
-
-    def end(self, state: str, reason: str) -> None:
-        lease.end(self.store, self.ticket.ticket_id, state, reason)
-
-    def record_request(self, request_uuid: str, status: int | None, window: float) -> None:
-        lease.record_request(self.store, request_uuid, self.ticket, status, window)
-
-    def remove_token_file(self) -> None:
-        self.store.remove_token_file(self.ticket.ticket_id)
-
-    def release(self) -> None:
-        os.close(self.lock_fd)  # the kernel hands the lock to the head waiter now
-
-    def housekeeping(self) -> None:
-        self.store.housekeeping()
-
-
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(self, driver: LeaseDriver, cfg: HolderConfig, chan: Channel | None) -> None:
-        self.driver, self.cfg, self.chan = driver, cfg, chan
+    def __init__(self, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
+        self.lease, self.cfg, self.chan = lease, cfg, chan
         self.cmd_pid: int | None = None
         self.cmd_fd: int | None = None
         self.cmd_done = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
         for sig in (signal.SIGUSR1, *_STOP_SIGNALS):
             signal.signal(sig, _ignore)
@@ -149,10 +101,20 @@ class Holder:
 
     # -- the loop ----------------------------------------------------------
 
-    def serve(self) -> None:
+    def serve(self) -> NoReturn:
+        try:
+            self._serve()
+        except PearingError as exc:
+            # A renewal refused (a frozen holder woken after its lease), a corrupt record:
+            # whatever it is, the way out is the loss sequence, never a bare exit.
+            self.lose(str(exc))
+        except BaseException as exc:  # noqa: BLE001 - never leave without stopping COMMAND first
+            self.lose(f"internal error in holder (a bug): {exc!r}")
+
+    def _serve(self) -> NoReturn:
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
-        renew_every = max(self.driver.ticket.lease_seconds / 3.0, 0.05)
+        renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
         renew_at = started + renew_every
         poller = select.poll()
         poller.register(self.wake_r, select.POLLIN)
@@ -160,12 +122,12 @@ class Holder:
             poller.register(self.chan.rfd, select.POLLIN)
         while True:
             now = time.monotonic()
-            deadlines = [self.driver.ticket.lease_deadline_mono or now]
+            deadlines = [self.lease.ticket.lease_deadline_mono or now]
             if max_deadline is not None:
                 deadlines.append(max_deadline)
-            if self.cfg.heartbeat_auto and not self.cmd_done:
+            if self._renewing():
                 deadlines.append(renew_at)
-            timeout_ms = max(0, int((min(deadlines) - now) * 1000) + 1)
+            timeout_ms = min(_MAX_POLL_MS, max(0, int((min(deadlines) - now) * 1000) + 1))
             for fd, _ev in poller.poll(timeout_ms):
                 if fd == self.wake_r:
                     self._on_signals(os.read(self.wake_r, 64))
@@ -178,16 +140,24 @@ class Holder:
                     poller.unregister(fd)
                     self.cmd_done = True
                     if self.chan is None or self.chan.eof:
-                        # pearing-run was killed: COMMAND's status is unknown.
+                        # The wrapper was killed (or the Lock's process died): status unknown.
                         self.finish(None)
             now = time.monotonic()
+            # A deadline is checked before any renewal: a holder frozen past its lease
+            # (SIGSTOP, a paused VM) must lose it, never renew a lapsed lease.
+            if (self.lease.ticket.lease_deadline_mono or 0) <= now:
+                self._check_lease()
             if max_deadline is not None and now >= max_deadline:
                 self.lose(f"max runtime {self.cfg.max_runtime:g} s reached")
-            if self.cfg.heartbeat_auto and not self.cmd_done and now >= renew_at:
-                self.driver.renew()
+            if self._renewing() and now >= renew_at:
+                self.lease.renew()
                 renew_at = now + renew_every
-            if (self.driver.ticket.lease_deadline_mono or 0) <= now:
-                self._check_lease()
+
+    def _renewing(self) -> bool:
+        """Auto heartbeat while the wrapper runs (pearing-run), or while the Lock's block runs."""
+        if not self.cfg.heartbeat_auto or self.cmd_done:
+            return False
+        return self.cfg.owned_by_wrapper or self.cmd_pid is not None
 
     def _on_signals(self, sigs: bytes) -> None:
         for sig in sigs:
@@ -198,31 +168,29 @@ class Holder:
 
     def _on_messages(self, poller: select.poll) -> None:
         assert self.chan is not None
-        for line in self.chan.lines():
-            word, _, rest = line.partition(" ")
-            if word == "started":
-                pid, stamp = (int(x) for x in rest.split())
+        for msg in self.chan.messages():
+            if msg.kind == protocol.STARTED:
                 if self.cmd_fd is not None:  # the --skip-if check came first
                     if not self.cmd_done:
                         poller.unregister(self.cmd_fd)
                     os.close(self.cmd_fd)
-                self.cmd_pid, self.cmd_done = pid, False
-                self.cmd_fd = _pidfd(pid, stamp)
+                self.cmd_pid, self.cmd_done = msg.pid, False
+                self.cmd_fd = _pidfd(msg.pid, msg.stamp)
                 if self.cmd_fd is None:
                     self.cmd_done = True
                 else:
                     poller.register(self.cmd_fd, select.POLLIN)
-            elif word == "exited":
+            elif msg.kind == protocol.EXITED:
                 self.cmd_done = True
-                self.finish(None if rest == "unknown" else int(rest))
-        if self.chan.eof and (self.cmd_pid is None or self.cmd_done):
+                self.finish(msg.status)
+        if self.chan.eof and self.cfg.owned_by_wrapper and (self.cmd_pid is None or self.cmd_done):
             # pearing-run died before COMMAND started, or after it ended.
             self.finish(None)
 
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
-        lost = self.driver.check()
-        if lost == RELEASED and self.cmd_pid is None:
+        lost = self.lease.check()
+        if lost == RELEASED and (self.cmd_pid is None or not self.cfg.owned_by_wrapper):
             self.finish_released()  # pearing-cli release-lock-ticket
         if lost is not None:
             self.lose(lost)
@@ -231,43 +199,46 @@ class Holder:
 
     def lose(self, reason: str) -> NoReturn:
         """Ownership lost: token dead first, then COMMAND stopped, then the lock freed."""
-        self.driver.end(EXPIRED, reason)
+        with contextlib.suppress(PearingError):
+            self.lease.end(EXPIRED, reason)
         if self.chan is not None:
-            self.chan.send(f"lost {reason}")
-        self.driver.remove_token_file()
+            self.chan.send(protocol.lost(reason))
+        with contextlib.suppress(PearingError):
+            self.lease.remove_token_file()
         self._stop_command()
         self._release_lock_and_exit()
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
         if self.cfg.request_uuid:
-            self.driver.record_request(self.cfg.request_uuid, status, self.cfg.dedupe_window)
+            self.lease.record_request(status, self.cfg.dedupe_window)
         reason = "command ended" if status is None else f"command exited {status}"
-        self.driver.end(RELEASED, reason)
-        _fault.point("mid-release")
+        self.lease.end(RELEASED, reason)
+        fault.point("mid-release")
         self.finish_released()
 
     def finish_released(self) -> NoReturn:
-        self.driver.remove_token_file()
+        with contextlib.suppress(PearingError):
+            self.lease.remove_token_file()
         self._release_lock_and_exit()
 
     def _stop_command(self) -> None:
-        if self.cmd_pid is None:
+        if self.cmd_pid is None or not self.cfg.owned_by_wrapper:
             return
         if not self.cmd_done:
             _killpg(self.cmd_pid, signal.SIGTERM)
             if self.cmd_fd is not None:
-                select.select([self.cmd_fd], [], [], self.cfg.kill_grace)
+                select.select([self.cmd_fd], [], [], min(self.cfg.kill_grace, _MAX_SELECT_S))
         # Whatever is left of the group (the leader or its children) may not go on.
         _killpg(self.cmd_pid, signal.SIGKILL)
 
     def _release_lock_and_exit(self) -> NoReturn:
-        self.driver.release()
-        if self.chan is not None:
-            self.chan.send("released")
-            self.chan.close()
         try:
-            self.driver.housekeeping()
+            self.lease.release()
+            if self.chan is not None:
+                self.chan.send(protocol.Message(protocol.RELEASED))
+                self.chan.close()
+            self.lease.housekeeping()
         finally:
             os._exit(0)
 

@@ -1,24 +1,31 @@
 """``pearing-run``: take the lock, hand it to a detached holder, run COMMAND.
 
 The wrapper owns COMMAND (its parent: it gets the exit status and forwards
-signals); the holder owns the lock and the lease. Either may die: the other
-sees EOF on their pipe and finishes the job alone.
+signals); the holder owns the lease. Either may die: the other sees EOF on
+their pipe and finishes the job alone. On the lock dir both keep the lock's
+fd (one open file description, so one flock): whichever dies first, the lock
+is freed only once the other lets go, and the wrapper lets go only once
+COMMAND is dead.
+
+``acquire`` is the one acquire path, shared with the agent behind
+``pearing-cli acquire-lock``, ``pearing-mcp`` and ``Lock``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from singleflight import queue
-from singleflight.core import fault as _fault
-from singleflight.core import proc as _proc
+from singleflight.backend import open_backend
+from singleflight.core import fault, proc, protocol
 from singleflight.core.const import (
     CANCELLED,
+    CLAIM_BUSY,
+    CLAIM_DONE,
     ENV_FENCE,
     ENV_LOCK,
     ENV_LOCK_DIR,
@@ -28,21 +35,18 @@ from singleflight.core.const import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     EXPIRED,
-    HELD,
+    RELEASED,
     WAITING,
     ExitCode,
 )
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.ticket import Ticket, new_uuid4
-from singleflight.store import LockDir, LockStore
 
 if TYPE_CHECKING:
-    from singleflight.core.protocol import Channel
+    from singleflight.backend import Grip, LockOps
+    from singleflight.core.protocol import Channel, Taken
     from singleflight.holder import HolderConfig
-
-# The busy skip is the hot path: it imports only what it needs. Holding (lease,
-# holder, channel) is imported once the lock is ours.
 
 FORWARDED_SIGNALS = (
     signal.SIGINT,
@@ -56,8 +60,48 @@ FORWARDED_SIGNALS = (
 _DEFAULT_IN_CHILD = (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGALRM)
 
 
+def acquire(
+    lk: LockOps,
+    ticket: Ticket,
+    *,
+    wait: float,
+    deadline: Callable[[], float],
+    on_queued: Callable[[int], None],
+    timeout_reason: str,
+) -> Grip | None:
+    """The lock at once (when free and nobody is in line), or a FIFO place and a bounded wait.
+
+    None when busy (``wait`` 0) or when ``deadline()`` passed first; the ticket
+    is then ended as cancelled with ``timeout_reason``.
+    """
+    place = lk.enter(ticket)
+    if place.grip is not None:
+        return place.grip
+    if wait <= 0:
+        place.leave()
+        return None
+    # Import what holding needs now, while we wait, not after the hand-over.
+    import json  # noqa: F401
+    import secrets  # noqa: F401
+    import select  # noqa: F401
+
+    from singleflight import holder  # noqa: F401
+
+    grip = None
+    try:
+        on_queued(place.queue())
+        grip = place.wait(deadline)
+        if grip is None:
+            with contextlib.suppress(PearingError):
+                lk.end(ticket.ticket_id, CANCELLED, timeout_reason, only_if_held=False)
+    finally:
+        place.leave()
+    return grip
+
+
 class RunOptions:
     __slots__ = (
+        "backend",
         "busy_exit_code",
         "command",
         "dedupe_window",
@@ -76,12 +120,39 @@ class RunOptions:
         "wait_seconds",
     )
 
-    def __init__(self, **values: object) -> None:
-        for name in self.__slots__:
-            setattr(self, name, values[name])
+    def __init__(
+        self,
+        *,
+        job: str,
+        repo: str,
+        command: list[str],
+        lock_dir: str,
+        identity: str,
+        backend: str = "local",
+        lease_seconds: float = 60.0,
+        wait_seconds: float = 0.0,
+        heartbeat_auto: bool = True,
+        max_runtime: float | None = None,
+        kill_grace: float = 10.0,
+        request_uuid: str | None = None,
+        dedupe_window: float = 86400.0,
+        skip_if: str | None = None,
+        busy_exit_code: int = int(ExitCode.BUSY),
+        verbose: bool = False,
+        log_format: str = "text",
+    ) -> None:
+        self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
+        self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
+        self.heartbeat_auto, self.max_runtime, self.kill_grace = heartbeat_auto, max_runtime, kill_grace
+        self.request_uuid, self.dedupe_window, self.skip_if = request_uuid, dedupe_window, skip_if
+        self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
 
     job: str
     repo: str
+    command: list[str]
+    lock_dir: str
+    identity: str
+    backend: str
     lease_seconds: float
     wait_seconds: float
     heartbeat_auto: bool
@@ -91,11 +162,8 @@ class RunOptions:
     dedupe_window: float
     skip_if: str | None
     busy_exit_code: int
-    identity: str
-    lock_dir: str
     verbose: bool
     log_format: str
-    command: list[str]
 
 
 class Runner:
@@ -104,35 +172,16 @@ class Runner:
         self.log = Log("pearing-run", opts.verbose, opts.log_format)
         self.cmd_pid: int | None = None
         self.pending: list[int] = []
-        self.request_claimed = False
         self.waited = 0.0
         self.lost: str | None = None
         self.holder_pid = 0
-
-    # -- top level ---------------------------------------------------------
-
-    # Backend hooks: this class is the kernel-flock backend; etcd overrides these.
-
-    def _open(self) -> None:
-        self.store = LockDir(self.o.lock_dir).lock_store(self.o.repo, self.o.job)
-
-    def _drop_grip(self, grip: int) -> None:
-        os.close(grip)  # only the holder may keep the lock open now
-
-    def _grip_fds(self, grip: int) -> set[int]:
-        """The fds the holder must keep (the lock fd); every other one is closed."""
-        return {grip}
-
-    def _serve(self, grip: int, cfg: HolderConfig, chan: Channel) -> int:
-        """In the forked holder: take ownership, report ``ready``, serve the lease."""
-        return _holder_child(self.o, self.ticket, grip, cfg, chan)
+        self.grip: Grip | None = None
 
     # -- top level ---------------------------------------------------------
 
     def run(self) -> int:
         o = self.o
-        self._open()
-        now = time.time()
+        self.lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job)
         self.ticket = Ticket(
             ticket_id=new_uuid4(),
             request_uuid=o.request_uuid or new_uuid4(),
@@ -141,126 +190,64 @@ class Runner:
             identity=o.identity,
             state=WAITING,
             lease_seconds=o.lease_seconds,
-            created_at=now,
             holder_pid=os.getpid(),
-            holder_start=_proc.start_time(os.getpid()),
+            holder_start=proc.start_time(os.getpid()),
         )
+        claimed = False
         if o.request_uuid:
-            verdict = self._claim_request(o.request_uuid)
-            if verdict == "done":
+            verdict = self.lk.claim_request(self.ticket)
+            if verdict == CLAIM_DONE:
                 self.log.event("deduplicated", lock=o.job, request=o.request_uuid)
                 return 0
-            if verdict == "busy":
+            if verdict == CLAIM_BUSY:
                 self.log.event("busy", lock=o.job, request=o.request_uuid, reason="request in flight")
                 return o.busy_exit_code
+            claimed = True
         try:
             grip = self._acquire()
         except BaseException:
-            self._unclaim_request()
+            if claimed:
+                self.lk.unclaim_request(self.ticket)
             raise
         if grip is None:
-            self._unclaim_request()
+            if claimed:
+                self.lk.unclaim_request(self.ticket)
             return o.busy_exit_code
         return self._hold_and_run(grip)
 
-    # -- acquiring ---------------------------------------------------------
-
-    def _acquire(self) -> int | None:
-        """The lock fd, flocked by us; None when busy (or the wait ran out)."""
-        o, store = self.o, self.store
-        fd = store.open_lock_file()
-        if queue.try_flock(fd):
-            if not queue.live_entries(store):
-                return fd
-            # Free for a moment, but others are in line: they go first.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        if o.wait_seconds <= 0:
-            os.close(fd)
-            self.log.event("busy", lock=o.job, repo=o.repo)
-            return None
-        # Import what holding needs now, while we wait, not after the hand-over.
-        import json  # noqa: F401
-        import secrets  # noqa: F401
-        import select  # noqa: F401
-
-        from singleflight import holder, lease  # noqa: F401
-
+    def _acquire(self) -> Grip | None:
+        o, lk, tid = self.o, self.lk, self.ticket.ticket_id
         started = time.monotonic()
-        deadline = started + o.wait_seconds
-        waiter = queue.Waiter(store, self.ticket.ticket_id)
-        try:
-            with store.mutex():
-                self.ticket.queue_seq = waiter.enqueue()
-                store.write_ticket(self.ticket)
-            self.log.event("waiting", lock=o.job, position=waiter.position(), max_wait=f"{o.wait_seconds:g}s")
-            # release-lock-ticket on a waiting ticket pokes us with SIGUSR1.
-            signal.signal(signal.SIGUSR1, _interrupt)
-            got = waiter.wait(fd, lambda: deadline if self._still_waiting() else 0.0)
-            if got:
-                _fault.point("mid-promotion")
-        finally:
-            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-            waiter.leave()
+        until = started + o.wait_seconds
+
+        def deadline() -> float:
+            # release-lock-ticket on our waiting ticket cancels it: 0 ends the wait.
+            return min(until, lk.waiting_deadline(tid))
+
+        def on_queued(position: int) -> None:
+            self.ticket.promoted = True  # if it is ever held, it waited behind another run
+            self.log.event("waiting", lock=o.job, position=position, max_wait=f"{o.wait_seconds:g}s")
+
+        grip = acquire(
+            lk,
+            self.ticket,
+            wait=o.wait_seconds,
+            deadline=deadline,
+            on_queued=on_queued,
+            timeout_reason="wait timed out",
+        )
         self.waited = time.monotonic() - started
-        if not got:
-            from singleflight import lease
-
-            os.close(fd)
-            lease.end(store, self.ticket.ticket_id, CANCELLED, "wait timed out", only_if_held=False)
-            self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
+        if grip is None:
+            if o.wait_seconds <= 0:
+                self.log.event("busy", lock=o.job, repo=o.repo)
+            else:
+                self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
             return None
-        self.ticket.promoted = True
-        return fd
-
-    def _still_waiting(self) -> bool:
-        t = self.store.read_ticket(self.ticket.ticket_id)
-        return t is not None and t.state == WAITING
-
-    def _claim_request(self, request_uuid: str) -> str:
-        """'run', 'done' (succeeded within the window) or 'busy' (in flight)."""
-        store, now = self.store, time.time()
-        with store.mutex():
-            rec = store.read_request(request_uuid)
-            if rec is not None:
-                state = rec.get("state")
-                if state == "succeeded" and float(rec.get("expires_at") or 0) > now:
-                    return "done"
-                if state == "active" and _request_alive(store, rec):
-                    return "busy"
-            store.write_request(
-                request_uuid,
-                {
-                    "state": "active",
-                    "ticket_id": self.ticket.ticket_id,
-                    "pid": os.getpid(),
-                    "start": self.ticket.holder_start,
-                    "created_at": now,
-                    "previous": rec,
-                },
-            )
-        self.request_claimed = True
-        return "run"
-
-    def _unclaim_request(self) -> None:
-        """We did not run: put back what the record said before us."""
-        uuid = self.o.request_uuid
-        if not (self.request_claimed and uuid):
-            return
-        with self.store.mutex():
-            rec = self.store.read_request(uuid)
-            if rec and rec.get("ticket_id") == self.ticket.ticket_id:
-                previous = rec.get("previous")
-                if isinstance(previous, dict):
-                    self.store.write_request(uuid, previous)
-                else:
-                    self.store.sub("requests").unlink(f"{uuid}.json")
-        self.request_claimed = False
+        return grip
 
     # -- holding -----------------------------------------------------------
 
-    def _hold_and_run(self, grip: int) -> int:
-        import json
-
+    def _hold_and_run(self, grip: Grip) -> int:
         from singleflight.holder import HolderConfig
 
         o = self.o
@@ -273,23 +260,24 @@ class Runner:
         )
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._forward)
+        self.grip = grip
         chan = self._fork_holder(grip, cfg)
-        self._drop_grip(grip)
-        _fault.point("after-holder-spawn")
-        line = chan.recv()
-        if line is None or not line.startswith("ready "):
-            return self._holder_failed(line)
-        info = json.loads(line[6:])
+        fault.point("after-holder-spawn")
+        msg = chan.recv()
+        if msg is None or msg.kind != protocol.READY:
+            return self._holder_failed(msg)
+        taken = protocol.Taken.from_info(msg.info)
+        self.ticket.fence = taken.fence
         self.log.event(
             "acquired",
             lock=o.job,
             repo=o.repo,
-            fence=info["fence"],
+            fence=taken.fence,
             ticket=self.ticket.ticket_id,
             waited=f"{self.waited:.3f}s",
             promoted=int(self.ticket.promoted),
         )
-        env = self._command_env(info)
+        env = self._command_env(taken)
         if o.skip_if is not None:
             check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
@@ -305,7 +293,7 @@ class Runner:
         code = status if status is not None else int(ExitCode.LEASE_LOST)
         return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
 
-    def _fork_holder(self, grip: int, cfg: HolderConfig) -> Channel:
+    def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
         from singleflight.core.protocol import Channel
         from singleflight.holder import detach
 
@@ -313,36 +301,34 @@ class Runner:
         from_r, from_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the holder
-            code = 70
+            code = ExitCode.SOFTWARE
             try:
                 os.close(to_w)
                 os.close(from_r)
-                detach({*self._grip_fds(grip), to_r, from_w})
-                code = self._serve(grip, cfg, Channel(to_r, from_w))
+                detach({*grip.fds(), to_r, from_w})
+                code = _serve(self.o, self.ticket, grip, cfg, Channel(to_r, from_w))
             finally:
-                os._exit(code)
+                os._exit(int(code))
         os.close(to_r)
         os.close(from_w)
         self.holder_pid = pid
         return Channel(from_r, to_w)
 
-    def _command_env(self, info: dict[str, object]) -> dict[str, str]:
+    def _command_env(self, taken: Taken) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
                 ENV_LOCK: self.o.job,
                 ENV_REPO: self.o.repo,
                 ENV_TICKET: self.ticket.ticket_id,
-                ENV_FENCE: str(info["fence"]),
-                ENV_TOKEN: str(info["token"]),
-                ENV_TOKEN_FILE: str(info["token_file"]),
+                ENV_FENCE: str(taken.fence),
+                ENV_TOKEN: taken.token,
+                ENV_TOKEN_FILE: taken.token_file,
                 ENV_LOCK_DIR: self.o.lock_dir,
                 ENV_PROMOTED: "1" if self.ticket.promoted else "0",
             }
         )
-        extra = info.get("env")
-        if isinstance(extra, dict):
-            env.update({str(k): str(v) for k, v in extra.items()})
+        env.update(taken.env)
         return env
 
     def _spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
@@ -355,7 +341,7 @@ class Runner:
             self.log.error(f"command {what}: {argv[0]}: {exc.strerror}")
             return -int(code)
         self.cmd_pid = pid
-        chan.send(f"started {pid} {_proc.start_time(pid) or 0}")
+        chan.send(protocol.started(pid, proc.start_time(pid) or 0))
         for sig in self.pending:
             _killpg(pid, sig)
         self.pending.clear()
@@ -384,9 +370,9 @@ class Runner:
                         code = os.waitstatus_to_exitcode(status)
                         return 128 - code if code < 0 else code
                     chan.fill()
-                    for line in chan.lines():
-                        if line.startswith("lost ") and self.lost is None:
-                            self._lost(line[5:])
+                    for msg in chan.messages():
+                        if msg.kind == protocol.LOST and self.lost is None:
+                            self._lost(msg.text)
                     if chan.eof:
                         poller.unregister(chan.rfd)
                         if self.lost is None:
@@ -401,37 +387,31 @@ class Runner:
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
         self.log.event("lease-lost", lock=self.o.job, reason=reason)
 
-    def _end_after_holder_death(self) -> None:
-        """Bookkeeping for a holder killed while COMMAND runs (the kernel freed the lock)."""
-        from singleflight import lease
-
-        with contextlib.suppress(PearingError):
-            lease.end(self.store, self.ticket.ticket_id, EXPIRED, "holder gone")
-            self.store.remove_token_file(self.ticket.ticket_id)
-
     def _holder_vanished(self, pid: int) -> None:
-        """The holder died (kill -9): the lock is free; the token is dead. Stop COMMAND."""
+        """The holder died (kill -9): the token is dead. Stop COMMAND; our grip keeps the lock meanwhile."""
         import select
 
         self._lost("holder gone")
-        self._end_after_holder_death()
+        with contextlib.suppress(PearingError):
+            self.lk.end(self.ticket.ticket_id, EXPIRED, "holder gone")
+            self.lk.remove_token_file(self.ticket.ticket_id)
         _killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.o.kill_grace
         pidfd = os.pidfd_open(pid)
         try:
-            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+            select.select([pidfd], [], [], min(self.o.kill_grace, 86400.0 * 365))
         finally:
             os.close(pidfd)
         _killpg(pid, signal.SIGKILL)
 
     def _finish(self, chan: Channel, status: int, exit_code: int) -> int:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
-        chan.send(f"exited {status}")
-        while (line := chan.recv()) is not None and line != "released":
-            if line.startswith("lost ") and self.lost is None:
-                self._lost(line[5:])
+        self._let_go()  # COMMAND is dead: only the holder's copy of the lock remains
+        chan.send(protocol.exited(status))
+        while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
+            if msg.kind == protocol.LOST and self.lost is None:
+                self._lost(msg.text)
                 exit_code = int(ExitCode.LEASE_LOST)
-        if line is None and self.lost is None:
+        if msg is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.
             self._release_without_holder(status)
         chan.close()
@@ -441,76 +421,56 @@ class Runner:
         self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
         return exit_code
 
-    def _release_without_holder(self, status: int) -> None:
-        from singleflight import lease
+    def _let_go(self) -> None:
+        if self.grip is not None:
+            self.grip.close()
+            self.grip = None
 
-        t = self.ticket
+    def _release_without_holder(self, status: int) -> None:
+        tid = self.ticket.ticket_id
         try:
             if self.o.request_uuid:
-                cur = self.store.read_ticket(t.ticket_id) or t
-                lease.record_request(self.store, self.o.request_uuid, cur, status, self.o.dedupe_window)
-            lease.end(self.store, t.ticket_id, "released", f"command exited {status}")
-            self.store.remove_token_file(t.ticket_id)
+                self.lk.record_request(self.ticket, status, self.o.dedupe_window)
+            self.lk.end(tid, RELEASED, f"command exited {status}")
+            self.lk.remove_token_file(tid)
         except PearingError as exc:
             self.log.error(str(exc))
 
-    def _holder_failed(self, line: str | None) -> int:
-        self._clean_up_after_holder()
-        if line and line.startswith("error "):
-            code_s, _, msg = line[6:].partition(" ")
-            self.log.error(msg)
-            return int(code_s)
-        self.log.error("internal error: the lock holder died before taking the lease (killed?)")
-        return int(ExitCode.SOFTWARE)
-
-    def _clean_up_after_holder(self) -> None:
+    def _holder_failed(self, msg: protocol.Message | None) -> int:
         """The holder died or failed before reporting ready: it may have recorded our ticket
         held (its fence issued) and written the token file. It never served the lease, so end
         the ticket and remove the token file now rather than leave them to the next run."""
-        from singleflight import lease
-
         tid = self.ticket.ticket_id
         for state, only_if_held in ((EXPIRED, True), (CANCELLED, False)):
             with contextlib.suppress(PearingError):
-                lease.end(self.store, tid, state, "holder gone", only_if_held=only_if_held)
+                self.lk.end(tid, state, "holder gone", only_if_held=only_if_held)
         with contextlib.suppress(PearingError):
-            self.store.remove_token_file(tid)
+            self.lk.remove_token_file(tid)
+        self._let_go()
+        if msg is not None and msg.kind == protocol.ERROR:
+            self.log.error(msg.text)
+            return int(msg.code)
+        self.log.error("internal error: the lock holder died before taking the lease (killed?)")
+        return int(ExitCode.SOFTWARE)
 
 
-def _holder_child(o: RunOptions, ticket: Ticket, lock_fd: int, cfg: HolderConfig, chan: Channel) -> int:
+def _serve(o: RunOptions, ticket: Ticket, grip: Grip, cfg: HolderConfig, chan: Channel) -> ExitCode:
     """In the forked holder: take ownership, report, and serve the lease."""
-    import json
-
-    from singleflight import lease
-    from singleflight.holder import Holder, LocalLease
+    from singleflight.holder import Holder
 
     try:
-        store = LockDir(o.lock_dir, create=False).lock_store(o.repo, o.job, create=False)
-        token = lease.take_ownership(store, ticket, promoted=bool(ticket.promoted))
-        info = {"fence": ticket.fence, "token": token, "token_file": store.token_file_path(ticket.ticket_id)}
-        chan.send("ready " + json.dumps(info))
-        Holder(LocalLease(store, lock_fd, ticket), cfg, chan).serve()
+        # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
+        lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job, create=False)
+        lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
+        chan.send(protocol.ready(taken))
+        Holder(lease, cfg, chan).serve()
     except PearingError as exc:
-        chan.send(f"error {int(exc.exit_code)} {exc}")
-        return int(exc.exit_code)
+        chan.send(protocol.error(exc.exit_code, str(exc)))
+        return exc.exit_code
     except BaseException as exc:  # noqa: BLE001 - the holder must report, never vanish silently
-        chan.send(f"error {int(ExitCode.SOFTWARE)} internal error in holder (a bug): {exc!r}")
-        return int(ExitCode.SOFTWARE)
-    return 0
-
-
-def _request_alive(store: LockStore, rec: dict[str, object]) -> bool:
-    """Is the run that claimed this request still waiting or holding?"""
-    pid, start = rec.get("pid"), rec.get("start")
-    if isinstance(pid, int) and isinstance(start, int) and _proc.alive(pid, start):
-        return True
-    tid = rec.get("ticket_id")
-    t = store.read_ticket(tid) if isinstance(tid, str) else None
-    return t is not None and t.state in (HELD, WAITING) and _proc.alive(t.holder_pid, t.holder_start)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise queue.Interrupted
+        chan.send(protocol.error(ExitCode.SOFTWARE, f"internal error in holder (a bug): {exc!r}"))
+        return ExitCode.SOFTWARE
+    return ExitCode.OK
 
 
 def _killpg(pgid: int, sig: int) -> None:

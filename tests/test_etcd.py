@@ -17,7 +17,7 @@ from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
-from singleflight.etcd.lock import EtcdLock
+from singleflight.etcd.lock import Mutex
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
 
 
 def _queued(url: str, job: str) -> int:
-    kvs, _ = EtcdLock(Client(url), "default", job).queue()
+    kvs, _ = Mutex(Client(url), "default", job).queue()
     return len(kvs)
 
 

@@ -38,13 +38,14 @@ from helpers import (
     wait_for,
 )
 
-from singleflight import guard, lease
 from singleflight.core import fs as _fs
 from singleflight.core import proc as _proc
 from singleflight.core.const import ENV_TICKET, ENV_TOKEN_FILE, HELD, ExitCode
 from singleflight.core.errors import LockDirError, NotHeld
 from singleflight.core.ticket import Ticket, new_uuid4
-from singleflight.store import LockDir
+from singleflight.core.tokens import Claim, token_hash
+from singleflight.local import guard, lease
+from singleflight.local.store import LockDir
 
 NOPERM = int(ExitCode.NOPERM)
 IOERR = int(ExitCode.IOERR)
@@ -288,7 +289,7 @@ def fake_held_ticket(lock_dir: Path, pid: int, start: int, token: str) -> tuple[
         holder_start=start,
         created_at=now,
         acquired_at=now,
-        token_hash=lease.token_hash(token),
+        token_hash=token_hash(token),
     )
     d = store_dir(lock_dir, "J")
     (d / "tickets" / f"{tid}.json").write_bytes(t.to_json())
@@ -357,7 +358,7 @@ def held_by_me(store: Any, token: str, lease_seconds: float) -> Ticket:
         holder_pid=os.getpid(),
         holder_start=_proc.start_time(os.getpid()),
         created_at=time.time(),
-        token_hash=lease.token_hash(token),
+        token_hash=token_hash(token),
     )
     t.set_lease(lease_seconds)
     store.write_ticket(t)
@@ -365,7 +366,7 @@ def held_by_me(store: Any, token: str, lease_seconds: float) -> Ticket:
 
 
 def claim(store: Any, t: Ticket, token: str) -> Any:
-    return guard._Claim("J", "default", t.ticket_id, token, store.lock_dir.path)
+    return Claim("J", "default", t.ticket_id, token, lock_dir=store.lock_dir.path, backend=None)
 
 
 @pytest.mark.parametrize("jump", [3600.0, -3600.0])
@@ -374,8 +375,8 @@ def test_healthy_lease_survives_a_wall_clock_jump(store: Any, monkeypatch: pytes
     t = held_by_me(store, token, 60.0)
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + jump)
-    lease.check_live(store, t)  # no NotHeld
-    verdict = guard._judge(store, claim(store, t, token))
+    lease.check_live(t)  # no NotHeld
+    verdict = guard.judge(store, claim(store, t, token))
     assert verdict.ok, verdict.reason
     assert lease.renew(store, t.ticket_id, 60.0).state == HELD
 
@@ -393,8 +394,8 @@ def test_expired_lease_is_not_revived_by_a_wall_clock_jump(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + jump)
     with pytest.raises(NotHeld, match="lease expired"):
-        lease.check_live(store, t)
-    verdict = guard._judge(store, claim(store, t, token))
+        lease.check_live(t)
+    verdict = guard.judge(store, claim(store, t, token))
     assert not verdict.ok and verdict.reason.startswith("lease expired"), verdict.reason
     with pytest.raises(NotHeld, match="lease expired"):
         lease.renew(store, t.ticket_id, 60.0)

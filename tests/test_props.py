@@ -30,11 +30,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from singleflight.api import LocalBackend
+from singleflight import ops
 from singleflight.core import names
 from singleflight.core.const import ExitCode
 from singleflight.core.errors import BadValue, NotHeld
-from singleflight.store import LockDir
+from singleflight.local.backend import LocalBackend
+from singleflight.local.store import LockDir
 
 USAGE = int(ExitCode.USAGE)
 LOCK_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -280,8 +281,8 @@ class TicketLifecycle(RuleBasedStateMachine):
     # -- helpers --
 
     def _acquire(self, request_uuid: str, wait: float) -> tuple[int, dict[str, Any]]:
-        out = self.b.acquire(
-            LOCK, REPO, request_uuid=request_uuid, lease_seconds=LEASE, wait_seconds=wait, identity="prop@test"
+        out, _ = ops.acquire(
+            self.b, LOCK, REPO, request_uuid=request_uuid, lease_seconds=LEASE, wait_seconds=wait, identity="prop@test"
         )
         return out.code, out.ticket
 
@@ -360,11 +361,11 @@ class TicketLifecycle(RuleBasedStateMachine):
         u = data.draw(st.sampled_from(self._known()))
         state = self._state_of(u)
         if state in ("held", "waiting"):
-            ticket = self.b.heartbeat(LOCK, REPO, self.ids[u], LEASE)
+            ticket = ops.heartbeat(self.b, LOCK, REPO, self.ids[u], LEASE)
             assert ticket["state"] == state, ticket
         else:
             with pytest.raises(NotHeld):
-                self.b.heartbeat(LOCK, REPO, self.ids[u], LEASE)
+                ops.heartbeat(self.b, LOCK, REPO, self.ids[u], LEASE)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
@@ -372,9 +373,9 @@ class TicketLifecycle(RuleBasedStateMachine):
         state, tk = self._state_of(u), self._tk(u)
         if state == "expired":
             with pytest.raises(NotHeld):  # the owner must learn it lost the lock
-                self.b.release(LOCK, REPO, tk.id)
+                ops.release(self.b, LOCK, REPO, tk.id)
             return
-        ticket = self.b.release(LOCK, REPO, tk.id)
+        ticket = ops.release(self.b, LOCK, REPO, tk.id)
         final = {"held": "released", "waiting": "cancelled"}.get(state, state)
         assert ticket["state"] == final, ticket  # released / cancelled again: idempotent
         if state == "held":
@@ -390,8 +391,8 @@ class TicketLifecycle(RuleBasedStateMachine):
         """The owner stops heartbeating after a last, short heartbeat: the lease runs out."""
         assert self.holder is not None
         tk = self.holder
-        self.b.heartbeat(LOCK, REPO, tk.id, 0.5)
-        wait_for(lambda: self.b.get(LOCK, REPO, tk.id)["state"] == "expired", 10, "the short lease to run out")
+        ops.heartbeat(self.b, LOCK, REPO, tk.id, 0.5)
+        wait_for(lambda: ops.get(self.b, LOCK, REPO, tk.id)["state"] == "expired", 10, "the short lease to run out")
         self._end(tk, "expired")
         self._promote()
 

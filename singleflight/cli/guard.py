@@ -15,6 +15,7 @@ import signal
 import sys
 
 from singleflight import __version__, guard
+from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
@@ -119,10 +120,9 @@ def cmd_fence(argv: list[str], log: Log) -> int:
     if resource is None or fence is None:
         raise UsageError("fence needs --resource NAME and --fence N")
     ledger = values.get("ledger")
-    backend = os.environ.get(ENV_BACKEND) or None
-    accepted = guard.accept_fence(
-        str(resource), names.fence(str(fence)), str(ledger) if ledger else None, backend=backend
-    )
+    backend = backend_url(None, os.environ.get(ENV_BACKEND))
+    ledger_path = str(ledger) if ledger else None
+    accepted = guard.accept_fence(str(resource), names.fence(str(fence)), ledger_path, backend=backend)
     if values.get("json"):
         sys.stdout.write(json.dumps({"ok": True, "resource": resource, "fence": accepted}) + "\n")
     return 0

@@ -14,15 +14,8 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-try:  # recent typer vendors its own click; older releases use click itself
-    from typer._click.exceptions import ClickException
-    from typer._click.exceptions import UsageError as ClickUsageError
-except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException  # type: ignore[assignment]
-    from click.exceptions import UsageError as ClickUsageError  # type: ignore[assignment]
-
-from singleflight import __version__
-from singleflight.api import Backend, backend
+from singleflight import __version__, ops
+from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.core import identity, names
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
@@ -34,13 +27,13 @@ from singleflight.core.const import (
     ExitCode,
 )
 from singleflight.core.errors import PearingError, UsageError
+from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
-from singleflight.store import resolve_lock_dir
 
 PROG = "pearing-cli"
 app = typer.Typer(
     name=PROG,
-    help="Lock commands of the Pearing CLI against the local lock dir. Output is JSON on stdout.",
+    help="Lock commands of the Pearing CLI, on the lock dir or etcd. Output is JSON on stdout.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,
@@ -68,7 +61,7 @@ def _root(
     ident: Annotated[
         str | None, typer.Option("--identity", help="Who holds (default PEARING_IDENTITY, else user@host).")
     ] = None,
-    backend_url: Annotated[
+    url: Annotated[
         str | None, typer.Option("--backend", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local).")
     ] = None,
     version: Annotated[
@@ -76,11 +69,11 @@ def _root(
     ] = False,
 ) -> None:
     _state.lock_dir, _state.identity = lock_dir, ident
-    _state.backend = backend_url if backend_url is not None else os.environ.get(ENV_BACKEND) or None
+    _state.backend = url if url is not None else os.environ.get(ENV_BACKEND) or None
 
 
 def _backend() -> Backend:
-    return backend(resolve_lock_dir(_state.lock_dir), _state.backend)
+    return open_backend(backend_url(_state.backend, None), resolve_lock_dir(_state.lock_dir))
 
 
 def _emit(obj: Any) -> None:
@@ -121,14 +114,13 @@ def acquire_lock(
     repo: RepoOpt = None,
 ) -> None:
     """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
-    b = _backend()
-    out = b.acquire(
-        names.lock_name(name),
-        _repo(repo),
-        request_uuid=request_uuid,
-        lease_seconds=names.seconds(lease_seconds, "--lease-seconds", allow_zero=False),
-        wait_seconds=names.seconds(wait_seconds, "--wait-seconds"),
-        identity=identity.resolve(_state.identity),
+    lock, scope = names.lock_name(name), _repo(repo)
+    uuid = names.request_uuid(request_uuid)
+    lease = names.seconds(lease_seconds, "--lease-seconds", allow_zero=False)
+    wait = names.seconds(wait_seconds, "--wait-seconds")
+    who = identity.resolve(_state.identity)
+    out, _ = ops.acquire(
+        _backend(), lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=who
     )
     _emit(out.ticket)
     _exit(out.code, out.reason)
@@ -137,7 +129,8 @@ def acquire_lock(
 @app.command("get-lock-ticket")
 def get_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
     """Show one ticket."""
-    _emit(_backend().get(_from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")))
+    lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
+    _emit(ops.get(_backend(), lock, scope, tid))
 
 
 @app.command("heartbeat-lock-ticket")
@@ -150,24 +143,16 @@ def heartbeat_lock_ticket(
     repo: RepoOpt = None,
 ) -> None:
     """Renew the lease of a held (or waiting) ticket. Exit 1 if it is no longer live: stop."""
-    _emit(
-        _backend().heartbeat(
-            _from_env(name, ENV_LOCK, "NAME"),
-            _repo(repo),
-            _from_env(ticket_id, ENV_TICKET, "TICKET_ID"),
-            names.seconds(lease_seconds, "--lease-seconds", allow_zero=False),
-        )
-    )
+    lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
+    lease = names.seconds(lease_seconds, "--lease-seconds", allow_zero=False)
+    _emit(ops.heartbeat(_backend(), lock, scope, tid, lease))
 
 
 @app.command("release-lock-ticket")
 def release_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
     """Release a held ticket or leave the queue. Idempotent."""
-    _emit(
-        _backend().release(
-            _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
-        )
-    )
+    lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
+    _emit(ops.release(_backend(), lock, scope, tid))
 
 
 @app.command("update-user-activity")
@@ -180,7 +165,7 @@ def update_user_activity(
         raise UsageError("give exactly one of --activity TEXT or --clear")
     if activity is not None and (not activity.strip() or len(activity) > 1000):
         raise UsageError("bad --activity: must be 1 to 1000 characters")
-    _emit(_backend().update_activity(identity.resolve(_state.identity), activity))
+    _emit(ops.update_activity(_backend(), identity.resolve(_state.identity), activity))
 
 
 @app.command("status")
@@ -197,7 +182,7 @@ def status(
     every = names.seconds(interval, "--interval", allow_zero=False)
     table = sys.stdout.isatty() and not as_json
     while True:
-        locks = b.status(scope, only)
+        locks = ops.status(b, scope, only)
         if table:
             from singleflight.cli._table import render
 
@@ -218,18 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(PROG)
     try:
         rv = app(args=argv, prog_name=PROG, standalone_mode=False)
-    except ClickUsageError as exc:
-        message = exc.format_message().replace("\n", " ").strip()
-        if message:  # empty after no_args_is_help has printed the help
-            log.error(message)
-        return int(ExitCode.USAGE)
     except typer.Abort:
-        return 130
+        return int(ExitCode.INTERRUPTED)
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)
-    except ClickException as exc:
-        log.error(exc.format_message())
+    except typer.TyperException as exc:
+        # typer's (vendored click's) usage errors: a bad flag, a missing argument.
+        format_message = getattr(exc, "format_message", None)
+        message = str(format_message() if callable(format_message) else exc).replace("\n", " ").strip()
+        if message:  # empty after no_args_is_help has printed the help
+            log.error(message)
         return int(ExitCode.USAGE)
     except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
         log.error(f"internal error (a bug, please report it): {exc!r}")

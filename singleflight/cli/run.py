@@ -7,6 +7,7 @@ import os
 import sys
 
 from singleflight import __version__
+from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import identity, names
 from singleflight.core.const import (
@@ -18,9 +19,10 @@ from singleflight.core.const import (
     ExitCode,
 )
 from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import FORMATS, Log
+from singleflight.core.proc import ensure_std_fds
 from singleflight.runner import RunOptions, run
-from singleflight.store import resolve_lock_dir
 
 PROG = "pearing-run"
 SYNOPSIS = "--job NAME [options] -- COMMAND [ARG...]"
@@ -59,18 +61,6 @@ def _opt(values: dict[str, object], key: str, default: object) -> str:
     return str(default) if v is None else str(v)
 
 
-def backend_url(values: dict[str, object]) -> str | None:
-    """The distributed backend's URL, or None for the local lock dir."""
-    url = _opt_str(values, "backend")
-    if url is None:
-        url = os.environ.get(ENV_BACKEND) or None
-    if url is None or url == "local":
-        return None
-    if not url.startswith("etcd://"):
-        raise BadValue("--backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...]")
-    return url
-
-
 def build_options(argv: list[str]) -> RunOptions:
     values, command = parse(argv, OPTIONS, positional=False)
     if values.get("help"):
@@ -103,17 +93,14 @@ def build_options(argv: list[str]) -> RunOptions:
         request_uuid=None if request_uuid is None else names.request_uuid(request_uuid),
         dedupe_window=names.seconds(_opt(values, "dedupe_window", DEFAULT_DEDUPE_WINDOW), "--dedupe-window"),
         skip_if=_skip_if(_opt_str(values, "skip_if")),
-        busy_exit_code=names.exit_status(_opt(values, "busy_code", 75)),
+        busy_exit_code=names.exit_status(_opt(values, "busy_code", int(ExitCode.BUSY))),
         identity=identity.resolve(_opt_str(values, "identity")),
         lock_dir=resolve_lock_dir(_opt_str(values, "lock_dir")),
         verbose=bool(values.get("verbose")),
         log_format=log_format,
         command=command,
+        backend=backend_url(_opt_str(values, "backend"), os.environ.get(ENV_BACKEND)),
     )
-
-
-def _values(args: list[str]) -> dict[str, object]:
-    return parse(args, OPTIONS, positional=False)[0]
 
 
 def _pair(args: list[str], flag: str, value: str) -> bool:
@@ -132,18 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     # Errors before parsing finishes still honour --log-format json.
     log = Log(PROG, fmt="json" if "--log-format=json" in args or _pair(args, "--log-format", "json") else "text")
     try:
-        opts = build_options(args)
-        url = backend_url(_values(args))
-        if url is not None:
-            from singleflight.etcd.run import EtcdRunner
-
-            return EtcdRunner(opts, url).run()
-        return run(opts)
+        ensure_std_fds()
+        return run(build_options(args))
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)
     except KeyboardInterrupt:
-        return 130
+        return int(ExitCode.INTERRUPTED)
     except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
         log.error(f"internal error (a bug, please report it): {exc!r}")
         return int(ExitCode.SOFTWARE)

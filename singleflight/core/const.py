@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     LEASE_LOST = 124
     NOEXEC = 126
     NOTFOUND = 127
+    INTERRUPTED = 130  # ^C at a front end: 128 + SIGINT, as shells report it
 
 
 ENV_LOCK: Final = "PEARING_LOCK"
@@ -51,3 +52,13 @@ RELEASED: Final = "released"
 EXPIRED: Final = "expired"
 CANCELLED: Final = "cancelled"
 LIVE_STATES: Final = frozenset({WAITING, HELD})
+
+# Request-uuid records: one run of a request is in flight (active) or ended.
+REQUEST_ACTIVE: Final = "active"
+REQUEST_SUCCEEDED: Final = "succeeded"
+REQUEST_FAILED: Final = "failed"
+
+# A claim on a request uuid, before running: run it, it is done, or it is in flight.
+CLAIM_RUN: Final = "run"
+CLAIM_DONE: Final = "done"
+CLAIM_BUSY: Final = "busy"

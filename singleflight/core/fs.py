@@ -13,7 +13,8 @@ import os
 import stat
 from typing import Final
 
-from singleflight.core.errors import CorruptRecord, LockDirError, NotPermitted
+from singleflight.core.const import ENV_LOCK_DIR, ROOT_LOCK_DIR
+from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotPermitted
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -22,11 +23,59 @@ _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC
 _SYMLINK_ERRNOS: Final = frozenset({errno.ELOOP, errno.ENOTDIR, errno.EMLINK})
 
 
+def resolve_lock_dir(flag: str | None = None) -> str:
+    """``--lock-dir``, else PEARING_LOCK_DIR, else the per-user state dir (root: /var/lib/pearing)."""
+    value = flag if flag is not None else os.environ.get(ENV_LOCK_DIR) or None
+    if value is not None:
+        if not value or "\0" in value:
+            raise BadValue("lock dir", value, "must be a non-empty path")
+        return os.path.abspath(value)
+    if os.geteuid() == 0:
+        return ROOT_LOCK_DIR
+    # platformdirs' rule for Linux, without its import on the hot path.
+    state_home = os.environ.get("XDG_STATE_HOME", "").strip()
+    if os.path.isabs(state_home):
+        return os.path.join(state_home, "pearing")
+    if not os.path.exists("/proc"):
+        import platformdirs
+
+        return platformdirs.user_state_dir("pearing")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "pearing")
+
+
+def lock_parts(repo: str, lock: str) -> list[str]:
+    """The path of one (repo, lock) inside the lock dir; '@' cannot occur in a scope segment."""
+    return ["locks", *repo.split("/"), "@" + lock]
+
+
 def _check_owner(st: os.stat_result, path: str) -> None:
     if st.st_uid != os.geteuid():
         raise NotPermitted(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
     if st.st_mode & 0o022:
         raise NotPermitted(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def check_ancestors(path: str) -> None:
+    """Every directory above ``path``, like ssh's StrictModes: owned by root or by us, and
+    not group- or world-writable unless sticky. Otherwise another user could rename the
+    lock dir (or a ledger) away and plant their own, and a fence would start again at 1.
+    """
+    euid = os.geteuid()
+    current = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError as exc:
+            raise _os_error(current, exc) from None
+        if st.st_uid not in (0, euid):
+            raise NotPermitted(current, f"an ancestor is owned by uid {st.st_uid}, not by root or this user")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            mode = stat.S_IMODE(st.st_mode)
+            raise NotPermitted(current, f"an ancestor is group- or world-writable without the sticky bit ({mode:o})")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
 
 
 def _os_error(path: str, exc: OSError) -> Exception:
@@ -63,6 +112,28 @@ class Dir:
             raise _os_error(path, exc) from None
         try:
             _check_owner(os.fstat(fd), path)
+            check_ancestors(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, path)
+
+    @classmethod
+    def open_checked(cls, path: str, *, what: str) -> Dir:
+        """An existing directory outside the lock dir (a ledger's), checked like the lock dir's
+        ancestors: owned by root or us, not writable by others unless sticky."""
+        path = os.path.abspath(path)
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise LockDirError(path, f"{what} does not exist") from None
+        except OSError as exc:
+            raise _os_error(path, exc) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+                raise NotPermitted(path, f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+            check_ancestors(path)
         except BaseException:
             os.close(fd)
             raise

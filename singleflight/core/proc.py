@@ -7,6 +7,7 @@ guarded write, which is why psutil is not imported on Linux.
 
 from __future__ import annotations
 
+import os
 from typing import Final
 
 _PROC_STAT: Final = "/proc/{}/stat"
@@ -54,3 +55,45 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def signal_exact(pid: int | None, stamp: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process recorded with ``stamp``.
+
+    The check and the signal go through one pidfd, so a pid reused in between
+    is never signalled. True if the signal was sent.
+    """
+    import signal
+
+    if pid is None or stamp is None or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if start_time(pid) != stamp:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def ensure_std_fds() -> None:
+    """Open /dev/null on any of fds 0-2 that is closed, so no fd of ours ever lands there.
+
+    Started with stdio closed (a daemon, a supervisor), the lock file would be
+    opened as fd 0, and detaching (dup2 of /dev/null onto 0-2) would close it:
+    the flock gone while the ticket still reads held.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if null != fd:
+                os.dup2(null, fd, inheritable=True)
+                os.close(null)

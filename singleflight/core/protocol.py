@@ -1,12 +1,138 @@
-"""A line protocol over a pair of pipes between pearing-run and its holder.
+"""The messages between a wrapper (pearing-run, a CLI call, a ``Lock``) and its holder.
 
-Pipes rather than a socketpair: ``socket`` costs milliseconds to import and
-we only need two one-way byte streams that report EOF when the peer dies.
+One line per message over a pair of pipes. Pipes rather than a socketpair:
+``socket`` costs milliseconds to import, and we only need two one-way byte
+streams that report EOF when the peer dies.
+
+    holder -> owner   queued                    waiting in line (the agent)
+                      ready {json}              lock taken: fence, token, token file, env
+                      lost REASON               the token is dead; COMMAND is being stopped
+                      released                  the lock is free again (last message)
+                      ended                     the ticket ended before it was held
+                      error NAME MESSAGE        failed; NAME is an ExitCode member
+    owner -> holder   started PID STAMP         COMMAND (or the Lock's process) runs
+                      exited STATUS|unknown     it ended: record, release, hand over
 """
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
+
+from singleflight.core.const import ExitCode
+
+QUEUED = "queued"
+READY = "ready"
+LOST = "lost"
+RELEASED = "released"
+ENDED = "ended"
+ERROR = "error"
+STARTED = "started"
+EXITED = "exited"
+
+
+class Message:
+    """One decoded line. ``kind`` is one of the names above; the other fields as it needs."""
+
+    __slots__ = ("code", "info", "kind", "pid", "stamp", "status", "text")
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        text: str = "",
+        code: ExitCode = ExitCode.OK,
+        info: dict[str, Any] | None = None,
+        pid: int = 0,
+        stamp: int = 0,
+        status: int | None = None,
+    ) -> None:
+        self.kind, self.text, self.code, self.info = kind, text, code, info or {}
+        self.pid, self.stamp, self.status = pid, stamp, status
+
+    def encode(self) -> str:
+        k = self.kind
+        if k == READY:
+            return f"{READY} {json.dumps(self.info)}"
+        if k == LOST:
+            return f"{LOST} {self.text}"
+        if k == ERROR:
+            return f"{ERROR} {self.code.name} {self.text}"
+        if k == STARTED:
+            return f"{STARTED} {self.pid} {self.stamp}"
+        if k == EXITED:
+            return f"{EXITED} {'unknown' if self.status is None else self.status}"
+        return k
+
+    def __repr__(self) -> str:
+        return f"Message({self.encode()!r})"
+
+
+class Taken:
+    """What a holder learns on taking the lock, and tells its owner in ``ready``."""
+
+    __slots__ = ("env", "fence", "token", "token_file")
+
+    def __init__(self, fence: int, token: str, token_file: str, env: dict[str, str]) -> None:
+        self.fence, self.token, self.token_file, self.env = fence, token, token_file, env
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> Taken:
+        env = info.get("env")
+        return cls(
+            int(info["fence"]),
+            str(info["token"]),
+            str(info["token_file"]),
+            {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
+        )
+
+
+def ready(taken: Taken) -> Message:
+    info = {"fence": taken.fence, "token": taken.token, "token_file": taken.token_file, "env": taken.env}
+    return Message(READY, info=info)
+
+
+def lost(reason: str) -> Message:
+    return Message(LOST, text=reason)
+
+
+def error(code: ExitCode, text: str) -> Message:
+    return Message(ERROR, code=code, text=text.replace("\n", " "))
+
+
+def started(pid: int, stamp: int) -> Message:
+    return Message(STARTED, pid=pid, stamp=stamp)
+
+
+def exited(status: int | None) -> Message:
+    return Message(EXITED, status=status)
+
+
+def decode(line: str) -> Message:
+    """The message of one line; an unknown or garbled line is an ERROR (a bug), never a crash."""
+    word, _, rest = line.partition(" ")
+    try:
+        if word == READY:
+            info = json.loads(rest)
+            if not isinstance(info, dict):
+                raise ValueError(rest)
+            return Message(READY, info=info)
+        if word == LOST:
+            return Message(LOST, text=rest)
+        if word == ERROR:
+            name, _, text = rest.partition(" ")
+            return Message(ERROR, code=ExitCode[name], text=text)
+        if word == STARTED:
+            pid, stamp = rest.split()
+            return Message(STARTED, pid=int(pid), stamp=int(stamp))
+        if word == EXITED:
+            return Message(EXITED, status=None if rest == "unknown" else int(rest))
+        if word in (QUEUED, RELEASED, ENDED) and not rest:
+            return Message(word)
+    except (ValueError, KeyError):
+        pass
+    return Message(ERROR, code=ExitCode.SOFTWARE, text=f"internal error: garbled message {line[:80]!r}")
 
 
 class Channel:
@@ -15,37 +141,56 @@ class Channel:
         self._buf = b""
         self.eof = False
 
-    def send(self, line: str) -> bool:
+    def send(self, msg: Message) -> bool:
         """False when the peer is gone (EPIPE); the caller decides what that means."""
         if self.wfd < 0:
             return False
         try:
-            os.write(self.wfd, line.encode() + b"\n")
-        except (BrokenPipeError, OSError):
+            os.write(self.wfd, msg.encode().encode() + b"\n")
+        except OSError:
             self.close_write()
             return False
         return True
 
     def fill(self) -> None:
         """Read what is available (call when poll says rfd is readable)."""
-        chunk = os.read(self.rfd, 65536)
+        try:
+            chunk = os.read(self.rfd, 65536)
+        except BlockingIOError:
+            return
         if chunk:
             self._buf += chunk
         else:
             self.eof = True
 
-    def lines(self) -> list[str]:
+    def messages(self) -> list[Message]:
         *complete, self._buf = self._buf.split(b"\n")
-        return [c.decode() for c in complete]
+        return [decode(c.decode(errors="replace")) for c in complete]
 
-    def recv(self) -> str | None:
-        """Block for the next line; None on EOF."""
+    def recv(self) -> Message | None:
+        """Block for the next message; None on EOF."""
         while b"\n" not in self._buf:
             if self.eof:
                 return None
             self.fill()
         line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode()
+        return decode(line.decode(errors="replace"))
+
+    def recv_until(self, deadline: float) -> Message | None:
+        """The next message, or None on EOF or once ``deadline`` (monotonic) passes."""
+        import select
+        import time
+
+        while b"\n" not in self._buf:
+            if self.eof:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if select.select([self.rfd], [], [], remaining)[0]:
+                self.fill()
+        line, self._buf = self._buf.split(b"\n", 1)
+        return decode(line.decode(errors="replace"))
 
     def close_write(self) -> None:
         if self.wfd >= 0:

@@ -1,6 +1,6 @@
-"""The ticket: one acquisition of one lock, as stored and as shown.
+"""The records of one lock, as stored and as shown: the ticket and the request record.
 
-A plain ``__slots__`` class rather than a dataclass: ``dataclasses`` pulls in
+Plain ``__slots__`` classes rather than dataclasses: ``dataclasses`` pulls in
 ``inspect`` (about 10 ms), and every ``pearing-run`` loads tickets.
 """
 
@@ -11,10 +11,10 @@ import os
 import time
 from typing import Any
 
-from singleflight.core.const import HELD, WAITING
+from singleflight.core.const import HELD, REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED, WAITING
 
-# Stored fields, in order. Those starting with an underscore in PUBLIC_HIDDEN
-# never leave the lock dir (token_hash) or mean nothing to users (monotonic stamps).
+# Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
+# or mean nothing to users (monotonic stamps, the holder's start time).
 FIELDS = (
     "ticket_id",
     "request_uuid",
@@ -29,7 +29,7 @@ FIELDS = (
     "boot_id",
     "holder_pid",
     "holder_start",
-    "queue_seq",
+    "holder_host",
     "promoted",
     "created_at",
     "acquired_at",
@@ -37,8 +37,30 @@ FIELDS = (
     "end_reason",
     "token_hash",
 )
-_HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "queue_seq", "token_hash"})
-_TIMES = ("lease_expires_at", "created_at", "acquired_at", "ended_at")
+_HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
+_TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
+_TYPES: dict[str, tuple[type, ...]] = {
+    "ticket_id": (str,),
+    "request_uuid": (str,),
+    "lock_name": (str,),
+    "repo": (str,),
+    "identity": (str,),
+    "state": (str,),
+    "fence": (int,),
+    "lease_seconds": (int, float),
+    "lease_expires_at": (int, float),
+    "lease_deadline_mono": (int, float),
+    "boot_id": (str,),
+    "holder_pid": (int,),
+    "holder_start": (int,),
+    "holder_host": (str,),
+    "promoted": (bool,),
+    "created_at": (int, float),
+    "acquired_at": (int, float),
+    "ended_at": (int, float),
+    "end_reason": (str,),
+    "token_hash": (str,),
+}
 
 
 def rfc3339(epoch: float | None) -> str | None:
@@ -58,8 +80,59 @@ def new_uuid4() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+def _checked(obj: Any, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of a decoded record, each of its type (bool is no number) or None."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    out: dict[str, Any] = {}
+    for name, types in fields.items():
+        value = obj.get(name)
+        if value is None:
+            if name in required:
+                raise ValueError(f"missing {name}")
+        elif not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"{name} is {type(value).__name__}, not {types[0].__name__}")
+        out[name] = value
+    return out
+
+
 class Ticket:
     __slots__ = FIELDS
+
+    def __init__(
+        self,
+        *,
+        ticket_id: str,
+        request_uuid: str,
+        lock_name: str,
+        repo: str,
+        identity: str,
+        state: str = WAITING,
+        fence: int | None = None,
+        lease_seconds: float = 0.0,
+        lease_expires_at: float | None = None,
+        lease_deadline_mono: float | None = None,
+        boot_id: str | None = None,
+        holder_pid: int | None = None,
+        holder_start: int | None = None,
+        holder_host: str | None = None,
+        promoted: bool | None = False,
+        created_at: float | None = None,
+        acquired_at: float | None = None,
+        ended_at: float | None = None,
+        end_reason: str | None = None,
+        token_hash: str | None = None,
+    ) -> None:
+        self.ticket_id, self.request_uuid = ticket_id, request_uuid
+        self.lock_name, self.repo, self.identity = lock_name, repo, identity
+        self.state, self.fence = state, fence
+        self.lease_seconds = float(lease_seconds or 0.0)
+        self.lease_expires_at, self.lease_deadline_mono, self.boot_id = lease_expires_at, lease_deadline_mono, boot_id
+        self.holder_pid, self.holder_start, self.holder_host = holder_pid, holder_start, holder_host
+        self.promoted = bool(promoted)
+        self.created_at = time.time() if created_at is None else created_at
+        self.acquired_at, self.ended_at, self.end_reason = acquired_at, ended_at, end_reason
+        self.token_hash = token_hash
 
     ticket_id: str
     request_uuid: str
@@ -71,10 +144,10 @@ class Ticket:
     lease_seconds: float
     lease_expires_at: float | None
     lease_deadline_mono: float | None
-    boot_id: str
+    boot_id: str | None
     holder_pid: int | None
     holder_start: int | None
-    queue_seq: int | None
+    holder_host: str | None
     promoted: bool
     created_at: float
     acquired_at: float | None
@@ -82,21 +155,20 @@ class Ticket:
     end_reason: str | None
     token_hash: str | None
 
-    def __init__(self, **values: Any) -> None:
-        for name in FIELDS:
-            setattr(self, name, values.get(name))
-        if self.promoted is None:
-            self.promoted = False
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FIELDS}
 
     def to_json(self) -> bytes:
-        return json.dumps({name: getattr(self, name) for name in FIELDS}, sort_keys=False).encode()
+        return json.dumps(self.to_dict()).encode()
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> Ticket:
+        """A ticket from its decoded record; ValueError for wrong fields or types."""
+        return cls(**_checked(obj, _TYPES, ("ticket_id", "request_uuid", "lock_name", "repo", "identity", "state")))
 
     @classmethod
     def from_json(cls, data: bytes) -> Ticket:
-        obj = json.loads(data)
-        if not isinstance(obj, dict) or not isinstance(obj.get("ticket_id"), str):
-            raise ValueError("not a ticket object")
-        return cls(**{k: obj.get(k) for k in FIELDS})
+        return cls.from_dict(json.loads(data))
 
     def lease_left(self, now_mono: float) -> float | None:
         if self.lease_deadline_mono is None:
@@ -111,6 +183,12 @@ class Ticket:
     @property
     def live(self) -> bool:
         return self.state in (HELD, WAITING)
+
+    def describe_end(self) -> str:
+        """Why an ended ticket ended, as users read it: ``expired (holder gone) at ...``."""
+        reason = f" ({self.end_reason})" if self.end_reason else ""
+        when = rfc3339(self.ended_at)
+        return f"{self.state}{reason}" + (f" at {when}" if when else "")
 
     def public(
         self,
@@ -130,3 +208,101 @@ class Ticket:
         if token_file is not None:
             out["token_file"] = token_file
         return out
+
+
+_REQUEST_TYPES: dict[str, tuple[type, ...]] = {
+    "state": (str,),
+    "ticket_id": (str,),
+    "pid": (int,),
+    "start": (int,),
+    "fence": (int,),
+    "status": (int,),
+    "created_at": (int, float),
+    "finished_at": (int, float),
+    "expires_at": (int, float),
+    "started_at": (int, float),
+}
+
+
+class RequestRecord:
+    """What became of one request uuid: a run in flight (active) or how it ended."""
+
+    __slots__ = (*_REQUEST_TYPES, "previous")
+
+    def __init__(
+        self,
+        *,
+        state: str,
+        ticket_id: str | None = None,
+        pid: int | None = None,
+        start: int | None = None,
+        fence: int | None = None,
+        status: int | None = None,
+        created_at: float | None = None,
+        finished_at: float | None = None,
+        expires_at: float | None = None,
+        started_at: float | None = None,
+        previous: RequestRecord | None = None,
+    ) -> None:
+        self.state, self.ticket_id, self.pid, self.start = state, ticket_id, pid, start
+        self.fence, self.status = fence, status
+        self.created_at, self.finished_at, self.expires_at, self.started_at = (
+            created_at,
+            finished_at,
+            expires_at,
+            started_at,
+        )
+        self.previous = previous
+
+    state: str
+    ticket_id: str | None
+    pid: int | None
+    start: int | None
+    fence: int | None
+    status: int | None
+    created_at: float | None
+    finished_at: float | None
+    expires_at: float | None
+    started_at: float | None
+    previous: RequestRecord | None
+
+    @classmethod
+    def finished(cls, ticket: Ticket, status: int | None, window: float) -> RequestRecord:
+        """How a request ended: a success is deduplicated for ``window`` seconds."""
+        now = time.time()
+        return cls(
+            state=REQUEST_SUCCEEDED if status == 0 else REQUEST_FAILED,
+            ticket_id=ticket.ticket_id,
+            fence=ticket.fence,
+            status=status,
+            started_at=ticket.acquired_at,
+            finished_at=now,
+            expires_at=now + window,
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.state == REQUEST_ACTIVE
+
+    def succeeded_within(self, now: float) -> bool:
+        """A success still inside its dedupe window: a replay must not run again."""
+        return self.state == REQUEST_SUCCEEDED and (self.expires_at or 0.0) > now
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in _REQUEST_TYPES}
+        out["previous"] = self.previous.to_dict() if self.previous is not None else None
+        return out
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()
+
+    @classmethod
+    def from_dict(cls, obj: Any, depth: int = 0) -> RequestRecord:
+        values = _checked(obj, _REQUEST_TYPES, ("state",))
+        prev = obj.get("previous")
+        previous = cls.from_dict(prev, depth + 1) if isinstance(prev, dict) and depth < 1 else None
+        return cls(**values, previous=previous)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RequestRecord:
+        return cls.from_dict(json.loads(data))

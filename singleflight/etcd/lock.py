@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
-from singleflight.core.ticket import Ticket
+from singleflight.core.errors import CorruptRecord
+from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.etcd.client import Cluster, b64
 
 ROOT = "/pearing/"
@@ -36,7 +37,7 @@ def ttl_of(seconds: float) -> int:
     return max(2, math.ceil(seconds))
 
 
-class EtcdLock:
+class Mutex:
     def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
         self.cluster, self.repo, self.lock = cluster, repo, lock
         self.base = f"{ROOT}{repo}/@{lock}/"
@@ -49,12 +50,12 @@ class EtcdLock:
         lease = lease or self.cluster.grant(ttl_of(t.lease_seconds))
         # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        key, value = self.q + t.ticket_id, b64(_value(t, lease))
+        key, body = self.q + t.ticket_id, b64(value(t, lease))
         r = self.cluster.txn(
             [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
             [
-                {"request_put": {"key": b64(key), "value": value, "lease": str(lease)}},
-                {"request_put": {"key": b64(self.t + t.ticket_id), "value": value, "lease": str(keep)}},
+                {"request_put": {"key": b64(key), "value": body, "lease": str(lease)}},
+                {"request_put": {"key": b64(self.t + t.ticket_id), "value": body, "lease": str(keep)}},
             ],
             [],
         )
@@ -119,16 +120,22 @@ class EtcdLock:
         """Record the ticket's end (kept an hour), then revoke its lease: the key goes, the next is promoted."""
         t.state, t.end_reason, t.ended_at = state, reason, time.time()
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        self.cluster.put(self.e + t.ticket_id, _value(t, lease), keep)
+        self.cluster.put(self.e + t.ticket_id, value(t, lease), keep)
         self.cluster.revoke(lease)
 
     # -- request records ---------------------------------------------------------
 
-    def read_request(self, uuid: str) -> dict[str, Any] | None:
+    def read_request_kv(self, uuid: str) -> tuple[RequestRecord | None, dict[str, Any] | None]:
+        """The request record and its kv (for a compare-and-swap on its mod revision)."""
         kv = self.cluster.get(self.r + uuid)
-        return json.loads(kv["value"]) if kv else None
+        if kv is None:
+            return None, None
+        try:
+            return RequestRecord.from_json(kv["value"]), kv
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(f"etcd:{self.r}{uuid}", f"not a request record: {exc}") from None
 
-    def claim_request(self, uuid: str, record: dict[str, Any], lease: int, seen: dict[str, Any] | None) -> bool:
+    def claim_request(self, uuid: str, record: RequestRecord, lease: int, seen: dict[str, Any] | None) -> bool:
         """Write ``record`` only if the request key is still as ``seen`` (compare-and-swap).
 
         The claim rides on the claimant's ticket lease: if the claimant dies, its claim
@@ -140,15 +147,15 @@ class EtcdLock:
             if seen
             else {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
         )
-        put = {"request_put": {"key": key, "value": b64(json.dumps(record)), "lease": str(lease)}}
+        put = {"request_put": {"key": key, "value": b64(record.to_json()), "lease": str(lease)}}
         return bool(self.cluster.txn([cmp], [put], []).get("succeeded"))
 
-    def write_request(self, uuid: str, record: dict[str, Any], ttl: float) -> None:
+    def write_request(self, uuid: str, record: RequestRecord, ttl: float) -> None:
         keep = self.cluster.grant(ttl_of(ttl))
-        self.cluster.put(self.r + uuid, json.dumps(record).encode(), keep)
+        self.cluster.put(self.r + uuid, record.to_json(), keep)
 
 
-def _value(t: Ticket, lease: int) -> bytes:
+def value(t: Ticket, lease: int) -> bytes:
     obj = {name: getattr(t, name) for name in ("ticket_id", "request_uuid", "lock_name", "repo", "identity")}
     obj.update(
         state=t.state,
@@ -156,7 +163,9 @@ def _value(t: Ticket, lease: int) -> bytes:
         lease=str(lease),
         token_hash=t.token_hash,
         holder_pid=t.holder_pid,
-        holder_host=os.uname().nodename,
+        holder_start=t.holder_start,
+        holder_host=t.holder_host or os.uname().nodename,
+        promoted=t.promoted,
         created_at=t.created_at,
         acquired_at=t.acquired_at,
         ended_at=t.ended_at,
@@ -167,15 +176,14 @@ def _value(t: Ticket, lease: int) -> bytes:
 
 
 def parse_ticket(raw: bytes) -> Ticket:
-    obj = json.loads(raw)
-    return Ticket(**{k: obj.get(k) for k in obj if k in Ticket.__slots__})
+    return Ticket.from_dict(json.loads(raw))
 
 
 def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: str) -> tuple[bool, str, int | None]:
     """(live, reason, fence) for a token of a ticket held in etcd."""
     import hmac
 
-    el = EtcdLock(cluster, repo, lock)
+    el = Mutex(cluster, repo, lock)
     kvs, _ = el.queue()
     mine = next((kv for kv in kvs if kv["key"] == el.q + ticket_id), None)
     if mine is None:
@@ -221,12 +229,12 @@ def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
 def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: float) -> tuple[str, int] | None:
     """Register an in-flight guarded command, only while our ticket key exists.
 
-    A new holder waits for these keys to go (EtcdLock.wait_guards), so the side
+    A new holder waits for these keys to go (Mutex.wait_guards), so the side
     effect lands before the next holder proceeds. Returns (key, lease) or None.
     """
     import uuid
 
-    el = EtcdLock(cluster, repo, lock)
+    el = Mutex(cluster, repo, lock)
     lease = cluster.grant(ttl_of(seconds + 2))
     key = el.g + str(uuid.uuid4())
     r = cluster.txn(

@@ -1,4 +1,4 @@
-"""Where state lives: the lock dir and, per (repo, lock), its files.
+"""The lock dir backend's records: the lock dir and, per (repo, lock), its files.
 
 LOCK_DIR/                      0700, owned by the user, never group/world-writable
   activity/IDENTITY            the identity's current activity text
@@ -22,32 +22,13 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-from singleflight.core import fault as _fault
-from singleflight.core.const import ENDED_TICKET_RETENTION, ENV_LOCK_DIR, HOUSEKEEPING_EVERY, ROOT_LOCK_DIR
-from singleflight.core.errors import BadValue, CorruptRecord
-from singleflight.core.fs import Dir, parse_int_record
-from singleflight.core.ticket import Ticket
-
-
-def resolve_lock_dir(flag: str | None = None) -> str:
-    value = flag if flag is not None else os.environ.get(ENV_LOCK_DIR) or None
-    if value is not None:
-        if not value or "\0" in value:
-            raise BadValue("lock dir", value, "must be a non-empty path")
-        return os.path.abspath(value)
-    if os.geteuid() == 0:
-        return ROOT_LOCK_DIR
-    # platformdirs' rule for Linux, without its import on the hot path.
-    state_home = os.environ.get("XDG_STATE_HOME", "").strip()
-    if os.path.isabs(state_home):
-        return os.path.join(state_home, "pearing")
-    if not os.path.exists("/proc"):
-        import platformdirs
-
-        return platformdirs.user_state_dir("pearing")
-    return os.path.join(os.path.expanduser("~"), ".local", "state", "pearing")
+from singleflight.core import fault
+from singleflight.core.const import ENDED_TICKET_RETENTION
+from singleflight.core.errors import CorruptRecord
+from singleflight.core.fs import Dir, lock_parts, parse_int_record
+from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.tokens import TokenFiles
 
 
 class LockDir:
@@ -67,8 +48,7 @@ class LockDir:
         self.close()
 
     def lock_store(self, repo: str, lock: str, *, create: bool = True) -> LockStore:
-        parts = ["locks", *repo.split("/"), "@" + lock]
-        return LockStore(self, repo, lock, self.root.walk(parts, create=create))
+        return LockStore(self, repo, lock, self.root.walk(lock_parts(repo, lock), create=create))
 
     def iter_locks(self, repo: str | None = None) -> Iterator[LockStore]:
         """Every (repo, lock) in the lock dir, or in one scope."""
@@ -126,8 +106,12 @@ class LockStore:
     def __init__(self, lock_dir: LockDir, repo: str, lock: str, d: Dir) -> None:
         self.lock_dir, self.repo, self.lock, self.dir = lock_dir, repo, lock, d
         self._subs: dict[str, Dir] = {}
+        self._tokens: TokenFiles | None = None
 
     def close(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+            self._tokens = None
         for sub in self._subs.values():
             sub.close()
         self._subs.clear()
@@ -180,7 +164,7 @@ class LockStore:
         """
         fence = self.read_fence() + 1
         self.dir.write_atomic("fence", f"{fence}\n".encode(), durable=True)
-        _fault.point("after-fence-bump")
+        fault.point("after-fence-bump")
         return fence
 
     # -- tickets -----------------------------------------------------------
@@ -233,65 +217,31 @@ class LockStore:
                 removed += d.unlink(name)
         return removed
 
-    def housekeeping(self, every: float = HOUSEKEEPING_EVERY) -> bool:
-        """Prune ended tickets and old request records, cancel dead waiters.
+    # -- token files and request records -----------------------------------
 
-        At most once per ``every`` seconds per lock: it reads every record, and
-        right after a release it would compete for the CPU with the next
-        holder's hand-over.
-        """
-        from singleflight import lease
+    @property
+    def tokens(self) -> TokenFiles:
+        if self._tokens is None:
+            self._tokens = TokenFiles(self.lock_dir.path, self.dir)
+        return self._tokens
 
-        now = time.time()
-        st = self.dir.lstat(".housekeeping")
-        if st is not None and now - st.st_mtime < every:
-            return False
-        self.dir.write_atomic(".housekeeping", b"", durable=False)
-        self.prune_ended(now)
-        self.prune_requests(now)
-        lease.sweep_dead_waiters(self)
-        return True
-
-    # -- token files ---------------------------------------------------------
-
-    def token_file_path(self, ticket_id: str) -> str:
-        return self.sub("tokens").child_path(f"{ticket_id}.token")
-
-    def write_token_file(self, ticket: Ticket, token: str, **extra: str) -> str:
-        body: dict[str, Any] = {
-            "lock": ticket.lock_name,
-            "repo": ticket.repo,
-            "ticket": ticket.ticket_id,
-            "fence": ticket.fence,
-            "token": token,
-            "lease_expires_at": ticket.public()["lease_expires_at"],
-            "lock_dir": self.lock_dir.path,
-            **extra,
-        }
-        self.sub("tokens").write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
-        return self.token_file_path(ticket.ticket_id)
-
-    def remove_token_file(self, ticket_id: str) -> None:
-        self.sub("tokens").unlink(f"{ticket_id}.token")
-
-    # -- request records (idempotency and replay dedupe) -------------------
-
-    def read_request(self, request_uuid: str) -> dict[str, Any] | None:
+    def read_request(self, request_uuid: str) -> RequestRecord | None:
         d = self.sub("requests")
-        data = d.read(f"{request_uuid}.json")
+        name = f"{request_uuid}.json"
+        data = d.read(name)
         if data is None:
             return None
         try:
-            obj = json.loads(data)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            raise CorruptRecord(d.child_path(f"{request_uuid}.json"), "not a request record")
-        return obj
+            return RequestRecord.from_json(data)
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(d.child_path(name), f"not a request record: {exc}") from None
 
-    def write_request(self, request_uuid: str, record: dict[str, Any]) -> None:
+    def write_request(self, request_uuid: str, record: RequestRecord) -> None:
         # Durable: a finished run's record must survive a crash, or a replay reruns it.
-        self.sub("requests").write_atomic(f"{request_uuid}.json", json.dumps(record).encode(), durable=True)
+        self.sub("requests").write_atomic(f"{request_uuid}.json", record.to_json(), durable=True)
+
+    def remove_request(self, request_uuid: str) -> None:
+        self.sub("requests").unlink(f"{request_uuid}.json")
 
     def prune_requests(self, now: float) -> int:
         d = self.sub("requests")
@@ -300,6 +250,6 @@ class LockStore:
             if not name.endswith(".json") or name.startswith("."):
                 continue
             rec = self.read_request(name[:-5])
-            if rec and rec.get("state") != "active" and float(rec.get("expires_at") or 0) < now:
+            if rec and not rec.active and (rec.expires_at or 0.0) < now:
                 removed += d.unlink(name)
         return removed

@@ -20,14 +20,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from singleflight import __version__, guard
-from singleflight.api import Backend, backend
+from singleflight import __version__, guard, ops
+from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import identity, names
 from singleflight.core.const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_BACKEND, ENV_LOCK_DIR, ExitCode
 from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
-from singleflight.store import resolve_lock_dir
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
@@ -59,12 +59,12 @@ class Ops:
     ``PearingError`` with the one line the caller sees.
     """
 
-    def __init__(self, lock_dir: str, ident: str, backend_url: str | None = None) -> None:
-        self.lock_dir, self.identity, self.backend_url = lock_dir, ident, backend_url
+    def __init__(self, lock_dir: str, ident: str, url: str | None = None) -> None:
+        self.lock_dir, self.identity, self.backend_url = lock_dir, ident, url
 
     def _call(self, work: Callable[[Backend], _T]) -> _T:
         # One backend per call: a server lives for days, so every fd is closed at once.
-        b = backend(self.lock_dir, self.backend_url)
+        b = open_backend(self.backend_url, self.lock_dir)
         try:
             return work(b)
         finally:
@@ -81,9 +81,9 @@ class Ops:
         uuid = names.request_uuid(request_uuid)
         lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
         wait = names.seconds(wait_seconds, "wait_seconds")
-        out = self._call(
-            lambda b: b.acquire(
-                lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=self.identity
+        out, _ = self._call(
+            lambda b: ops.acquire(
+                b, lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=self.identity
             )
         )
         if out.code == ExitCode.REFUSED:
@@ -93,28 +93,28 @@ class Ops:
 
     def get(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
-        return self._call(lambda b: b.get(lock, scope, ticket_id))
+        return self._call(lambda b: ops.get(b, lock, scope, ticket_id))
 
     def heartbeat(self, repo: str, lock_name: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
         lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
-        return self._call(lambda b: b.heartbeat(lock, scope, ticket_id, lease))
+        return self._call(lambda b: ops.heartbeat(b, lock, scope, ticket_id, lease))
 
     def release(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
-        return self._call(lambda b: b.release(lock, scope, ticket_id))
+        return self._call(lambda b: ops.release(b, lock, scope, ticket_id))
 
     def update_activity(self, activity: str | None, clear: bool) -> dict[str, Any]:
         if (activity is None) == (not clear):
             raise UsageError("give exactly one of activity (the text) or clear=true")
         if activity is not None and (not activity.strip() or len(activity) > MAX_ACTIVITY):
             raise BadValue("activity", activity, f"must be 1 to {MAX_ACTIVITY} characters, not all blank")
-        return self._call(lambda b: b.update_activity(self.identity, activity))
+        return self._call(lambda b: ops.update_activity(b, self.identity, activity))
 
     def status(self, repo: str, lock_name: str | None) -> list[dict[str, Any]]:
         scope = names.scope(repo)
         lock = None if lock_name is None else names.lock_name(lock_name)
-        return self._call(lambda b: b.status(scope, lock))
+        return self._call(lambda b: ops.status(b, scope, lock))
 
     def verify(self, token_file: str) -> dict[str, Any]:
         if not token_file or "\0" in token_file:
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         ops = Ops(
             resolve_lock_dir(None if lock_dir is None else str(lock_dir)),
             identity.resolve(None if ident is None else str(ident)),
-            str(url) if url is not None else os.environ.get(ENV_BACKEND) or None,
+            backend_url(None if url is None else str(url), os.environ.get(ENV_BACKEND)),
         )
         ops.check()
     except PearingError as exc:

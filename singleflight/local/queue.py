@@ -20,7 +20,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from singleflight.core.fs import Dir
-from singleflight.store import LockStore
+from singleflight.local.store import LockStore
 
 _SEQ_FILE = ".seq"
 

@@ -5,30 +5,18 @@ gets bumped, a token minted, a lease renewed or ended.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from singleflight.core import fault as _fault
-from singleflight.core import proc as _proc
-from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
+from singleflight.core import fault, proc
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
-from singleflight.core.ticket import Ticket
-from singleflight.store import LockStore
-
-
-def mint_token() -> str:
-    """The run's secret: 256 random bits. Only its holder learns it."""
-    import secrets  # here, not at the top: pearing-guard verify imports this module
-
-    return secrets.token_hex(32)
-
-
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.tokens import mint_token, token_hash
+from singleflight.local.store import LockStore
 
 
 @contextmanager
@@ -56,26 +44,44 @@ def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> None:
             t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", time.time()
             store.write_ticket(t)
             # Its token file too: a raw token stays on disk only while its ticket is held.
-            store.remove_token_file(previous)
+            store.tokens.remove(previous)
 
 
 def sweep_dead_waiters(store: LockStore) -> int:
     """Cancel waiting tickets whose waiter died. Off the hot path (after a release)."""
     swept = 0
     for t in store.tickets():
-        if t.state == WAITING and not _proc.alive(t.holder_pid, t.holder_start):
+        if t.state == WAITING and not proc.alive(t.holder_pid, t.holder_start):
             with store.mutex():
                 cur = store.read_ticket(t.ticket_id)
-                if cur is not None and cur.state == WAITING and not _proc.alive(cur.holder_pid, cur.holder_start):
+                if cur is not None and cur.state == WAITING and not proc.alive(cur.holder_pid, cur.holder_start):
                     cur.state, cur.end_reason, cur.ended_at = CANCELLED, "waiter gone", time.time()
                     store.write_ticket(cur)
                     swept += 1
     return swept
 
 
+def housekeeping(store: LockStore, every: float = HOUSEKEEPING_EVERY) -> bool:
+    """Prune ended tickets and old request records, cancel dead waiters.
+
+    At most once per ``every`` seconds per lock: it reads every record, and
+    right after a release it would compete for the CPU with the next
+    holder's hand-over.
+    """
+    now = time.time()
+    st = store.dir.lstat(".housekeeping")
+    if st is not None and now - st.st_mtime < every:
+        return False
+    store.dir.write_atomic(".housekeeping", b"", durable=False)
+    store.prune_ended(now)
+    store.prune_requests(now)
+    sweep_dead_waiters(store)
+    return True
+
+
 def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
     """Turn ``ticket`` into the held one; returns the token. Caller owns the flock."""
-    _fault.point("after-flock")
+    fault.point("after-flock")
     # A guarded side effect of the previous holder may still be in flight if
     # that holder was killed (-9 skips its own expiry path): wait for it, so
     # it lands before this holder's fence exists.
@@ -87,20 +93,19 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
         store.write_pointer("holder", ticket.ticket_id)
         fence = store.bump_fence()
         token = mint_token()
-        now = time.time()
         ticket.state = HELD
         ticket.fence = fence
         ticket.token_hash = token_hash(token)
         ticket.holder_pid = os.getpid()
-        ticket.holder_start = _proc.start_time(os.getpid())
-        ticket.boot_id = _proc.boot_id()
-        ticket.acquired_at = now
+        ticket.holder_start = proc.start_time(os.getpid())
+        ticket.boot_id = proc.boot_id()
+        ticket.holder_host = os.uname().nodename
+        ticket.acquired_at = time.time()
         ticket.promoted = promoted
-        ticket.queue_seq = None
         ticket.set_lease(ticket.lease_seconds)
         store.write_ticket(ticket)
-    store.write_token_file(ticket, token)
-    _fault.point("after-token-file")
+    store.tokens.write(ticket, token)
+    fault.point("after-token-file")
     return token
 
 
@@ -114,50 +119,31 @@ def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
         t = store.read_ticket(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
-        check_live(store, t)
+        check_live(t)
         before = t.lease_deadline_mono
         t.set_lease(seconds)
         store.write_ticket(t)
     if t.state == HELD and before is not None and (t.lease_deadline_mono or 0) < before:
         # A shorter lease than before: the holder sleeps until the deadline it knows,
         # so make it re-read the ticket now, or the lock would outlive the lease.
-        _poke_holder(t)
+        poke(t)
     return t
 
 
-def _poke_holder(t: Ticket) -> None:
-    """SIGUSR1 to a held ticket's holder (another process), checked by pid and start time."""
-    pid = t.holder_pid
-    if pid is None or pid == os.getpid():
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return
-    try:
-        if _proc.start_time(pid) == t.holder_start:
-            signal.pidfd_send_signal(fd, signal.SIGUSR1)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def poke(t: Ticket) -> bool:
+    """SIGUSR1 to a ticket's holder (another process): re-read your ticket now."""
+    return proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
 
 
-def check_live(store: LockStore, t: Ticket) -> None:
+def check_live(t: Ticket) -> None:
     """Raise NotHeld unless ``t`` is a held or waiting ticket whose lease still runs."""
     if t.state not in (HELD, WAITING):
-        raise NotHeld(t.ticket_id, describe_end(t))
+        raise NotHeld(t.ticket_id, t.describe_end())
     left = t.lease_left(time.monotonic())
     if left is not None and left <= 0:
-        raise NotHeld(t.ticket_id, f"lease expired at {t.public()['lease_expires_at']}")
-    if not _proc.alive(t.holder_pid, t.holder_start):
+        raise NotHeld(t.ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
+    if not proc.alive(t.holder_pid, t.holder_start):
         raise NotHeld(t.ticket_id, "holder gone")
-
-
-def describe_end(t: Ticket) -> str:
-    reason = f" ({t.end_reason})" if t.end_reason else ""
-    when = t.public()["ended_at"]
-    return f"{t.state}{reason}" + (f" at {when}" if when else "")
 
 
 def end(
@@ -183,23 +169,3 @@ def end(
         t.state, t.end_reason, t.ended_at = state, reason, time.time()
         store.write_ticket(t)
         return t
-
-
-def record_request(store: LockStore, request_uuid: str, ticket: Ticket, status: int | None, window: float) -> None:
-    """Remember how a request ended: success is deduplicated for ``window`` seconds."""
-    now = time.time()
-    state = "succeeded" if status == 0 else "failed"
-    store.write_request(
-        request_uuid,
-        {
-            "state": state,
-            "ticket_id": ticket.ticket_id,
-            "fence": ticket.fence,
-            "status": status,
-            "finished_at": now,
-            "expires_at": now + window,
-        },
-    )
-
-
-__all__ = ["EXPIRED", "RELEASED", "end", "renew", "take_ownership"]

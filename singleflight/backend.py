@@ -1,0 +1,204 @@
+"""What a backend does, and the one place that turns a URL into one.
+
+A backend keeps the lock, the queue, the lease, the fence and the records of
+every (scope, lock). Two implement this interface: ``singleflight.local`` (a
+kernel ``flock`` in the lock dir; one host) and ``singleflight.etcd`` (a
+cluster; many hosts). The runner, the holder, the guard and the seed's
+commands see only these protocols, so an algorithm is written once and a
+backend differs only behind them.
+
+The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
+
+    lock = backend.lock(repo, name)
+    place = lock.enter(ticket)            # the lock at once (place.grip), or a place to queue
+    place.queue(); grip = place.wait(deadline)     # FIFO, bounded, woken by the backend
+    lease, taken = lock.take(grip, ticket, ...)    # in the holder: fence, token, token file
+    Holder(lease, ...).serve()                     # renew / check / end / release
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from singleflight.core.errors import BadValue
+from singleflight.core.protocol import Taken
+
+if TYPE_CHECKING:
+    from singleflight.core.ticket import RequestRecord, Ticket
+    from singleflight.core.tokens import Claim, Verdict
+
+LOCAL = "local"
+ETCD_SCHEME = "etcd://"
+
+
+class Grip(Protocol):
+    """What an acquisition holds: the lock's fd (local) or the ticket's lease (etcd)."""
+
+    def fds(self) -> set[int]:
+        """The fds a forked holder must keep open (the rest are closed)."""
+
+    def close(self) -> None:
+        """This process lets go; another copy of the grip (the holder's) may still hold."""
+
+
+class Place(Protocol):
+    """One arrival at a lock: the lock itself (``grip``), or the right to queue for it."""
+
+    @property
+    def grip(self) -> Grip | None:
+        """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
+
+    def queue(self) -> int:
+        """Take a place at the end of the FIFO line; its 1-based position."""
+
+    def wait(self, deadline: Callable[[], float]) -> Grip | None:
+        """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.
+
+        ``deadline`` is asked again whenever it runs out, so a heartbeat that
+        extends a waiting ticket keeps its place; 0 ends the wait at once.
+        """
+
+    def leave(self) -> None:
+        """Leave the line (also after ``wait`` returned the grip)."""
+
+
+class Lease(Protocol):
+    """The holder's side of a held ticket: its lease, its token's liveness, its lock."""
+
+    ticket: Ticket
+
+    def renew(self) -> None:
+        """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat)."""
+
+    def check(self) -> str | None:
+        """At the deadline or when poked: None if still ours (deadline updated), RELEASED if
+        its owner released it, else why it was lost."""
+
+    def end(self, state: str, reason: str) -> None:
+        """The token stops being live (after in-flight guarded commands)."""
+
+    def record_request(self, status: int | None, window: float) -> None: ...
+
+    def remove_token_file(self) -> None: ...
+
+    def release(self) -> None:
+        """Let go of the lock: the next waiter is promoted now."""
+
+    def housekeeping(self) -> None: ...
+
+
+class LockOps(Protocol):
+    """One (scope, lock) on a backend."""
+
+    repo: str
+    lock: str
+
+    def close(self) -> None: ...
+
+    # -- requests (pearing-run --request-uuid) ------------------------------------------
+    def claim_request(self, ticket: Ticket) -> str:
+        """CLAIM_RUN (now ours), CLAIM_DONE (succeeded within its window) or CLAIM_BUSY (in flight)."""
+
+    def unclaim_request(self, ticket: Ticket) -> None:
+        """We did not run after all: put back what the record said before our claim."""
+
+    def read_request(self, request_uuid: str) -> RequestRecord | None: ...
+
+    # -- acquiring ---------------------------------------------------------------------------
+    def enter(self, ticket: Ticket) -> Place: ...
+
+    def take(self, grip: Any, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[Lease, Taken]:
+        """In the holder: issue the fence, mint the token, write the token file.
+
+        ``grip`` is the one this backend's ``Place`` returned (opaque to the runner).
+        """
+
+    # -- the ticket, from any process ----------------------------------------------------------
+    def create(self, ticket: Ticket) -> Ticket:
+        """Record a new waiting ticket for ``ticket.request_uuid``, or return the ticket that
+        request already has (one ticket per request uuid, even when two arrive at once)."""
+
+    def read(self, ticket_id: str) -> Ticket | None: ...
+
+    def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
+        """The agent ``pid`` now answers for this waiting ticket (None: it is no longer waiting)."""
+
+    def waiting_deadline(self, ticket_id: str) -> float:
+        """A waiting ticket's lease as heartbeats extend it (monotonic); 0 once it ended."""
+
+    def end(self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True) -> Ticket | None: ...
+
+    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None: ...
+
+    def remove_token_file(self, ticket_id: str) -> None: ...
+
+    def renew(self, ticket_id: str, seconds: float) -> Ticket:
+        """Heartbeat: NotHeld once the ticket is not live."""
+
+    def release(self, ticket_id: str) -> Ticket:
+        """Release (held) or cancel (waiting), and wait until the holder let go. Idempotent."""
+
+    def end_orphan(self, ticket: Ticket) -> Ticket:
+        """End a ticket whose agent died without a word; remove its token file."""
+
+    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
+        """Block until the waiting ticket is promoted (or ends), at most ``wait_seconds``.
+
+        With 0, only until an agent that is still starting is in line or past it.
+        """
+
+    def view(self, ticket: Ticket) -> dict[str, Any]:
+        """The ticket object of SPEC.md, as the owner sees it."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class Backend(Protocol):
+    url: str
+    lock_dir: str
+
+    def close(self) -> None: ...
+
+    def lock(self, repo: str, lock: str, *, create: bool = True) -> LockOps: ...
+
+    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
+        """Every lock of a scope (or one), with its holder and waiters."""
+
+    def update_activity(self, identity: str, activity: str | None) -> None: ...
+
+    def verify(self, claim: Claim) -> Verdict: ...
+
+    def hold_off(self, claim: Claim, seconds: float) -> AbstractContextManager[Verdict]:
+        """Verify, then keep expiry and hand-over waiting (at most ``seconds``) while inside."""
+
+    def accept_fence(self, resource: str, fence: int) -> int: ...
+
+
+def backend_url(flag: str | None, env_value: str | None) -> str:
+    """``--backend``, else PEARING_BACKEND, else the local lock dir; checked, never opened."""
+    url = flag if flag is not None else env_value or LOCAL
+    if url != LOCAL and not url.startswith(ETCD_SCHEME):
+        raise BadValue("backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...][/PREFIX]")
+    if url.startswith(ETCD_SCHEME):
+        from singleflight.etcd.client import parse_url
+
+        parse_url(url)
+    return url
+
+
+def open_backend(url: str | None, lock_dir: str, *, create: bool = True) -> Backend:
+    """The backend ``url`` names (``local`` or None: the lock dir; ``etcd://...``: a cluster).
+
+    The lock dir is used by both: on etcd it keeps this host's token files.
+    Without ``create``, a missing lock dir is an error (LockDirError), not made.
+    """
+    url = backend_url(url, None)
+    if url == LOCAL:
+        from singleflight.local.backend import LocalBackend
+
+        return LocalBackend(lock_dir, create=create)
+    from singleflight.etcd.backend import EtcdBackend
+
+    return EtcdBackend(url, lock_dir)

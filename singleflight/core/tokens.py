@@ -1,0 +1,183 @@
+"""The run's secret: minted here, stored only as a hash, kept in the clear only in its
+holder's 0600 token file; and what a guard reads back from that file or the environment.
+
+    LOCK_DIR/locks/SCOPE.../@LOCK/tokens/TICKET.token     on either backend: the token
+                                                          never leaves the acquiring host
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+from singleflight.core import names
+from singleflight.core.const import (
+    DEFAULT_SCOPE,
+    ENV_BACKEND,
+    ENV_LOCK,
+    ENV_LOCK_DIR,
+    ENV_REPO,
+    ENV_TICKET,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+)
+from singleflight.core.errors import BadValue, UsageError
+from singleflight.core.fs import Dir, resolve_lock_dir
+from singleflight.core.ticket import Ticket, rfc3339
+
+# A token file is a few hundred bytes; anything larger is not ours.
+_MAX_TOKEN_FILE = 65536
+
+
+def mint_token() -> str:
+    """The run's secret: 256 random bits. Only its holder learns it."""
+    import secrets  # here, not at the top: pearing-guard verify imports this module
+
+    return secrets.token_hex(32)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenFiles:
+    """The token files of one (repo, lock), in the lock's directory on this host."""
+
+    def __init__(self, lock_dir: str, lock_root: Dir) -> None:
+        self.lock_dir, self.root = lock_dir, lock_root
+        self._dir: Dir | None = None
+
+    def _tokens(self) -> Dir:
+        if self._dir is None:
+            self._dir = self.root.sub("tokens")
+        return self._dir
+
+    def path(self, ticket_id: str) -> str:
+        return self.root.child_path(f"tokens/{ticket_id}.token")
+
+    def exists(self, ticket_id: str) -> bool:
+        return self._tokens().lstat(f"{ticket_id}.token") is not None
+
+    def write(self, ticket: Ticket, token: str, **extra: str) -> str:
+        body: dict[str, Any] = {
+            "lock": ticket.lock_name,
+            "repo": ticket.repo,
+            "ticket": ticket.ticket_id,
+            "fence": ticket.fence,
+            "token": token,
+            "lease_expires_at": rfc3339(ticket.lease_expires_at),
+            "lock_dir": self.lock_dir,
+            **extra,
+        }
+        self._tokens().write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+        return self.path(ticket.ticket_id)
+
+    def remove(self, ticket_id: str) -> None:
+        self._tokens().unlink(f"{ticket_id}.token")
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+
+class Verdict:
+    """Whether a token belongs to the live holder of its lock right now."""
+
+    __slots__ = ("fence", "lock", "ok", "reason", "repo", "ticket_id")
+
+    def __init__(
+        self, ok: bool, reason: str, *, lock: str = "", repo: str = "", ticket_id: str = "", fence: int | None = None
+    ) -> None:
+        self.ok, self.reason = ok, reason
+        self.lock, self.repo, self.ticket_id, self.fence = lock, repo, ticket_id, fence
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "reason": self.reason,
+            "lock_name": self.lock,
+            "repo": self.repo,
+            "ticket_id": self.ticket_id,
+            "fence": self.fence,
+        }
+
+
+class Claim:
+    """A token and what it claims to hold: where a guard looks it up."""
+
+    __slots__ = ("backend", "lock", "lock_dir", "repo", "ticket_id", "token")
+
+    def __init__(
+        self, lock: str, repo: str, ticket_id: str | None, token: str, *, lock_dir: str, backend: str | None
+    ) -> None:
+        self.lock, self.repo, self.ticket_id, self.token, self.lock_dir = lock, repo, ticket_id, token, lock_dir
+        self.backend = backend
+
+    def refuse(self, reason: str, *, ticket_id: str | None = None, fence: int | None = None) -> Verdict:
+        tid = ticket_id if ticket_id is not None else self.ticket_id or ""
+        return Verdict(False, reason, lock=self.lock, repo=self.repo, ticket_id=tid, fence=fence)
+
+    def live(self, fence: int | None) -> Verdict:
+        return Verdict(True, "live", lock=self.lock, repo=self.repo, ticket_id=self.ticket_id or "", fence=fence)
+
+
+def _read_token_file(path: str) -> bytes | Verdict:
+    # O_NONBLOCK: a FIFO planted at the path must not hang the guard in open();
+    # O_NOFOLLOW: nor may a symlink point it elsewhere.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        return Verdict(False, f"token file {path} is gone: its run has ended")
+    except OSError as exc:
+        return Verdict(False, f"token file {path}: {exc.strerror}")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return Verdict(False, f"token file {path} is not a regular file")
+        return os.read(fd, _MAX_TOKEN_FILE + 1)
+    finally:
+        os.close(fd)
+
+
+def read_claim(token_file: str | None, env: Mapping[str, str]) -> Claim | Verdict:
+    """Where the token comes from: --token-file, PEARING_TOKEN_FILE, or PEARING_TOKEN + lock + repo.
+
+    A Verdict when that source already says no (a token file that is gone or not ours).
+    """
+    path = token_file or env.get(ENV_TOKEN_FILE)
+    if path:
+        data = _read_token_file(path)
+        if isinstance(data, Verdict):
+            return data
+        try:
+            if len(data) > _MAX_TOKEN_FILE:
+                raise ValueError("too large")
+            obj = json.loads(data)
+            backend = obj.get("backend")
+            return Claim(
+                names.lock_name(str(obj["lock"])),
+                names.scope(str(obj["repo"])),
+                names.ticket_id(str(obj["ticket"])),
+                str(obj["token"]),
+                lock_dir=str(obj.get("lock_dir") or resolve_lock_dir(env.get(ENV_LOCK_DIR))),
+                backend=str(backend) if backend else None,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, BadValue):
+            return Verdict(False, f"token file {path} is not a pearing token file")
+    token, lock = env.get(ENV_TOKEN), env.get(ENV_LOCK)
+    if not token or not lock:
+        raise UsageError("no token: give --token-file, or set PEARING_TOKEN_FILE, or PEARING_TOKEN and PEARING_LOCK")
+    ticket = env.get(ENV_TICKET)
+    return Claim(
+        names.lock_name(lock, "PEARING_LOCK"),
+        names.scope(env.get(ENV_REPO) or DEFAULT_SCOPE),
+        names.ticket_id(ticket) if ticket else None,
+        token,
+        lock_dir=resolve_lock_dir(env.get(ENV_LOCK_DIR) or None),
+        backend=env.get(ENV_BACKEND) or None,
+    )

@@ -1,0 +1,413 @@
+"""The lock dir backend: a kernel ``flock`` per lock, FIFO queue files, records on disk. One host."""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import FrameType
+from typing import Any
+
+from singleflight.core import fault, names, proc
+from singleflight.core.const import (
+    CANCELLED,
+    CLAIM_BUSY,
+    CLAIM_DONE,
+    CLAIM_RUN,
+    EXPIRED,
+    HELD,
+    RELEASED,
+    REQUEST_ACTIVE,
+    WAITING,
+)
+from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.protocol import Taken
+from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.tokens import Claim, Verdict
+from singleflight.local import guard, lease, queue
+from singleflight.local.store import LockDir, LockStore
+
+# How long a release waits for the holder to let go of the lock.
+_RELEASE_WAIT = 10.0
+
+
+class FlockGrip:
+    """The lock file's fd, flocked. Every copy (wrapper, holder) keeps the lock until all close."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fds(self) -> set[int]:
+        return {self.fd}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _on_poke(signum: int, frame: FrameType | None) -> None:
+    raise queue.Interrupted
+
+
+class LocalPlace:
+    def __init__(self, lk: LocalLock, ticket: Ticket, fd: int, grip: FlockGrip | None) -> None:
+        self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
+        self.waiter: queue.Waiter | None = None
+
+    def queue(self) -> int:
+        store = self.lk.store
+        self.waiter = queue.Waiter(store, self.ticket.ticket_id)
+        with store.mutex():
+            self.waiter.enqueue()
+            if store.read_ticket(self.ticket.ticket_id) is None:
+                store.write_ticket(self.ticket)
+        return self.waiter.position()
+
+    def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
+        assert self.waiter is not None
+        # release-lock-ticket on a waiting ticket pokes its waiter with SIGUSR1.
+        old = signal.signal(signal.SIGUSR1, _on_poke)
+        try:
+            got = self.waiter.wait(self.fd, deadline)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+        if not got:
+            return None
+        fault.point("mid-promotion")
+        self.grip = FlockGrip(self.fd)
+        return self.grip
+
+    def leave(self) -> None:
+        if self.waiter is not None:
+            self.waiter.leave()
+            self.waiter = None
+        if self.grip is None and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+
+class LocalLease:
+    """The holder's lease: the lock fd, and the ticket's records in the lock dir."""
+
+    def __init__(self, store: LockStore, grip: FlockGrip, ticket: Ticket) -> None:
+        self.store, self.grip, self.ticket = store, grip, ticket
+
+    def renew(self) -> None:
+        self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
+
+    def check(self) -> str | None:
+        with self.store.mutex():
+            t = self.store.read_ticket(self.ticket.ticket_id)
+        if t is None or t.state != HELD:
+            return RELEASED if t is not None and t.state == RELEASED else f"ticket {t.state if t else 'vanished'}"
+        self.ticket = t
+        return "lease expired" if (t.lease_deadline_mono or 0) <= time.monotonic() else None
+
+    def end(self, state: str, reason: str) -> None:
+        lease.end(self.store, self.ticket.ticket_id, state, reason)
+
+    def record_request(self, status: int | None, window: float) -> None:
+        self.store.write_request(self.ticket.request_uuid, RequestRecord.finished(self.ticket, status, window))
+
+    def remove_token_file(self) -> None:
+        self.store.tokens.remove(self.ticket.ticket_id)
+
+    def release(self) -> None:
+        self.grip.close()  # the kernel hands the lock to the head waiter now (once every copy is closed)
+
+    def housekeeping(self) -> None:
+        lease.housekeeping(self.store)
+
+
+class LocalLock:
+    """One (scope, lock) in the lock dir."""
+
+    def __init__(self, backend: LocalBackend, store: LockStore) -> None:
+        self.backend, self.store = backend, store
+        self.repo, self.lock = store.repo, store.lock
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def read_request(self, request_uuid: str) -> RequestRecord | None:
+        return self.store.read_request(request_uuid)
+
+    def claim_request(self, ticket: Ticket) -> str:
+        store, now, uuid = self.store, time.time(), ticket.request_uuid
+        with store.mutex():
+            rec = store.read_request(uuid)
+            if rec is not None:
+                if rec.succeeded_within(now):
+                    return CLAIM_DONE
+                if rec.active and self._request_alive(rec):
+                    return CLAIM_BUSY
+            store.write_request(
+                uuid,
+                RequestRecord(
+                    state=REQUEST_ACTIVE,
+                    ticket_id=ticket.ticket_id,
+                    pid=os.getpid(),
+                    start=proc.start_time(os.getpid()),
+                    created_at=now,
+                    previous=rec,
+                ),
+            )
+        return CLAIM_RUN
+
+    def _request_alive(self, rec: RequestRecord) -> bool:
+        """Is the run that claimed this request still waiting or holding?"""
+        if rec.pid is not None and proc.alive(rec.pid, rec.start):
+            return True
+        t = self.store.read_ticket(rec.ticket_id) if rec.ticket_id else None
+        return t is not None and t.live and proc.alive(t.holder_pid, t.holder_start)
+
+    def unclaim_request(self, ticket: Ticket) -> None:
+        uuid = ticket.request_uuid
+        with self.store.mutex():
+            rec = self.store.read_request(uuid)
+            if rec and rec.ticket_id == ticket.ticket_id:
+                if rec.previous is not None:
+                    self.store.write_request(uuid, rec.previous)
+                else:
+                    self.store.remove_request(uuid)
+
+    # -- acquiring -------------------------------------------------------------------------
+
+    def enter(self, ticket: Ticket) -> LocalPlace:
+        fd = self.store.open_lock_file()
+        if queue.try_flock(fd):
+            if not queue.live_entries(self.store):
+                return LocalPlace(self, ticket, fd, FlockGrip(fd))
+            # Free for a moment, but others are in line: they go first.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return LocalPlace(self, ticket, fd, None)
+
+    def take(self, grip: FlockGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[LocalLease, Taken]:
+        token = lease.take_ownership(self.store, ticket, promoted=promoted)
+        assert ticket.fence is not None
+        taken = Taken(ticket.fence, token, self.store.tokens.path(ticket.ticket_id), {})
+        return LocalLease(self.store, grip, ticket), taken
+
+    # -- the ticket ------------------------------------------------------------------------
+
+    def create(self, ticket: Ticket) -> Ticket:
+        store = self.store
+        with store.mutex():
+            rec = store.read_request(ticket.request_uuid)
+            existing = store.read_ticket(rec.ticket_id) if rec and rec.ticket_id else None
+            if existing is not None:
+                return existing
+            ticket.set_lease(ticket.lease_seconds)
+            store.write_ticket(ticket)
+            store.write_request(
+                ticket.request_uuid,
+                RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time()),
+            )
+        return ticket
+
+    def read(self, ticket_id: str) -> Ticket | None:
+        return self.store.read_ticket(ticket_id)
+
+    def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
+        with self.store.mutex():
+            t = self.store.read_ticket(ticket_id)
+            if t is None or t.state != WAITING:
+                return None
+            t.holder_pid, t.holder_start = pid, proc.start_time(pid)
+            self.store.write_ticket(t)
+            return t
+
+    def waiting_deadline(self, ticket_id: str) -> float:
+        t = self.store.read_ticket(ticket_id)
+        if t is None or t.state != WAITING:
+            return 0.0
+        return math.inf if t.lease_deadline_mono is None else t.lease_deadline_mono
+
+    def end(self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True) -> Ticket | None:
+        return lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
+
+    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
+        cur = self.store.read_ticket(ticket.ticket_id) or ticket
+        self.store.write_request(ticket.request_uuid, RequestRecord.finished(cur, status, window))
+
+    def remove_token_file(self, ticket_id: str) -> None:
+        self.store.tokens.remove(ticket_id)
+
+    def renew(self, ticket_id: str, seconds: float) -> Ticket:
+        return lease.renew(self.store, ticket_id, seconds)
+
+    def release(self, ticket_id: str) -> Ticket:
+        store = self.store
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        if t.state in (RELEASED, CANCELLED):
+            return t
+        if t.state not in (HELD, WAITING):
+            raise NotHeld(ticket_id, t.describe_end())
+        final = RELEASED if t.state == HELD else CANCELLED
+        ended = lease.end(store, ticket_id, final, "released by owner", only_if_held=False)
+        if ended is None:  # it ended on its own meanwhile
+            cur = store.read_ticket(ticket_id) or t
+            if cur.state in (RELEASED, CANCELLED):
+                return cur
+            raise NotHeld(ticket_id, cur.describe_end())
+        _poke_and_wait(t)
+        return store.read_ticket(ticket_id) or ended
+
+    def end_orphan(self, t: Ticket) -> Ticket:
+        """End a ticket whose holder is dead (killed): nobody holds or waits for it any more."""
+        final = EXPIRED if t.state == HELD else CANCELLED
+        ended = lease.end(self.store, t.ticket_id, final, "holder gone", only_if_held=False)
+        self.store.tokens.remove(t.ticket_id)
+        return self.store.read_ticket(t.ticket_id) or ended or t
+
+    def view(self, t: Ticket) -> dict[str, Any]:
+        store = self.store
+        if t.state == HELD and not proc.alive(t.holder_pid, t.holder_start):
+            # Never report a lock held whose holder is already gone: the kernel has freed it.
+            t = self.end_orphan(t)
+        position = None
+        if t.state == WAITING:
+            live = queue.live_entries(store)
+            mine = [i for i, n in enumerate(live) if n.endswith("." + t.ticket_id)]
+            position = mine[0] + 1 if mine else None
+        token_file = None
+        if t.state == HELD and store.tokens.exists(t.ticket_id):
+            token_file = store.tokens.path(t.ticket_id)
+        activity = self.backend.dir.read_activity(t.identity)
+        return t.public(activity=activity, queue_position=position, token_file=token_file)
+
+    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
+        store = self.store
+        entry = next((n for n in queue.live_entries(store) if n.endswith("." + ticket_id)), None)
+        if wait_seconds <= 0:
+            if entry is None:
+                # An agent that is not in line yet is still starting (or taking a free
+                # lock) and settles in moments; only a ticket in line is "waiting".
+                _poll(lambda: self._settled(ticket_id), 2.0)
+            return
+        if entry is not None:
+            try:
+                fd = store.sub("queue").open(entry, os.O_RDWR)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    # The agent keeps this entry flocked until it leaves the line.
+                    if not queue.flock_until(fd, time.monotonic() + wait_seconds):
+                        return
+                finally:
+                    os.close(fd)
+        # The agent has just left the line and is taking the lock (or is not in line
+        # yet): its state changes in moments, so wait for that, not 75 at once.
+        _poll(lambda: self._state(ticket_id) != WAITING, min(wait_seconds, 5.0) if entry is None else 5.0)
+
+    def _state(self, ticket_id: str) -> str | None:
+        t = self.store.read_ticket(ticket_id)
+        return None if t is None else t.state
+
+    def _settled(self, ticket_id: str) -> bool:
+        return self._state(ticket_id) != WAITING or any(
+            n.endswith("." + ticket_id) for n in queue.live_entries(self.store)
+        )
+
+    def status(self) -> dict[str, Any]:
+        store, now = self.store, time.monotonic()
+        holder = None
+        waiters = []
+        for t in store.tickets():
+            alive = proc.alive(t.holder_pid, t.holder_start)
+            left = t.lease_left(now)
+            if t.state == HELD and alive and (left is None or left > 0):
+                holder = self.view(t)
+                holder["lease_left"] = None if left is None else round(left, 3)
+            elif t.state == WAITING and alive:
+                waiters.append(self.view(t))
+        waiters.sort(key=lambda w: w["queue_position"] or 0)
+        return {
+            "lock_name": store.lock,
+            "repo": store.repo,
+            "state": "held" if holder else "free",
+            "fence": store.read_fence(),
+            "holder": holder,
+            "waiters": waiters,
+        }
+
+
+def _poll(done: Callable[[], bool], timeout: float) -> None:
+    """Moments at most (an agent starting, a holder writing one record): 5 ms polls."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _poke_and_wait(t: Ticket) -> None:
+    """Tell the holder (or waiter) its ticket ended and wait until it has let the lock go."""
+    pid = t.holder_pid
+    if pid is None or not proc.alive(pid, t.holder_start):
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if lease.poke(t):
+            select.select([pidfd], [], [], _RELEASE_WAIT)
+    finally:
+        os.close(pidfd)
+
+
+class LocalBackend:
+    url = "local"
+
+    def __init__(self, lock_dir: str, *, create: bool = True) -> None:
+        self.lock_dir = lock_dir
+        self.dir = LockDir(lock_dir, create=create)
+
+    def close(self) -> None:
+        self.dir.close()
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lock(self, repo: str, lock: str, *, create: bool = True) -> LocalLock:
+        names.lock_name(lock)
+        names.scope(repo)
+        try:
+            return LocalLock(self, self.dir.lock_store(repo, lock, create=create))
+        except FileNotFoundError:
+            raise NotHeld("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}") from None
+
+    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
+        out = []
+        for store in self.dir.iter_locks(repo):
+            with store:
+                if lock is None or store.lock == lock:
+                    out.append(LocalLock(self, store).status())
+        return out
+
+    def update_activity(self, identity: str, activity: str | None) -> None:
+        self.dir.write_activity(identity, activity)
+
+    def verify(self, claim: Claim) -> Verdict:
+        return guard.verify(claim)
+
+    def hold_off(self, claim: Claim, seconds: float) -> AbstractContextManager[Verdict]:
+        return guard.hold_off(claim)
+
+    def accept_fence(self, resource: str, fence: int) -> int:
+        from singleflight.core import ledger
+
+        return ledger.accept(self.dir.root, "ledger.json", resource, fence)
