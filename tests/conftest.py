@@ -11,7 +11,7 @@ import pytest
 from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
 
-from singleflight.core.const import ENV_FAULT, ENV_LOCK_DIR
+from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ENV_LOCK_DIR
 
 
 @pytest.fixture
@@ -77,3 +77,24 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "etcd: runs against the real etcd cluster (the etcd half of `backend`)")
+
+
+@pytest.fixture(params=["local", pytest.param("etcd", marks=pytest.mark.etcd)])
+def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
+    """Run a test on both backends: the same contract on either.
+
+    On etcd every test gets a tenant prefix of its own (``etcd://.../t-HEX``), so
+    lock names never meet another test's on the session's shared cluster. The
+    commands a test starts with ``env`` use it through PEARING_BACKEND.
+    """
+    if request.param == "local":
+        env.pop(ENV_BACKEND, None)
+        return "local"
+    cluster: Cluster = request.getfixturevalue("etcd")
+    url = f"{cluster.url}/t-{uuid.uuid4().hex[:12]}"
+    env[ENV_BACKEND] = url
+    return url

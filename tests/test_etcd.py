@@ -26,15 +26,6 @@ def job() -> str:
     return f"job-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["local", "etcd"])
-def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
-    """Run a test on both backends: the same contract on either."""
-    if request.param == "etcd":
-        cluster: Cluster = request.getfixturevalue("etcd")
-        env[ENV_BACKEND] = cluster.url
-    return str(request.param)
-
-
 def _queued(url: str, job: str) -> int:
     kvs, _ = Mutex(Client(url), "default", job).queue()
     return len(kvs)
@@ -65,7 +56,7 @@ def test_env_fence_token_file_and_busy(backend: str, procs: Procs, work: Path, j
     env = dict(line.split("=", 1) for line in (work / "env").read_text().splitlines())
     assert int(env["PEARING_FENCE"]) >= 1 and env["PEARING_PROMOTED"] == "0"
     assert len(env["PEARING_TOKEN"]) >= 32
-    if backend == "etcd":
+    if backend != "local":
         assert env["ETCD_LOCK_KEY"].endswith(env["PEARING_TICKET"])
         assert env["ETCD_LOCK_REV"] == env["PEARING_FENCE"]
     assert not Path(env["PEARING_TOKEN_FILE"]).exists()  # removed after the run

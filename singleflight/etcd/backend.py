@@ -370,7 +370,7 @@ class EtcdBackend:
         return EtcdLock(self, names.scope(repo), names.lock_name(lock))
 
     def read_activity(self, identity: str) -> str | None:
-        kv = self.cluster.get(f"{recipe.ROOT}activity/{identity}")
+        kv = self.cluster.get(f"{self.cluster.root}activity/{identity}")
         if kv is None:
             return None
         with contextlib.suppress(ValueError, AttributeError):
@@ -379,18 +379,18 @@ class EtcdBackend:
         return None
 
     def update_activity(self, identity: str, activity: str | None) -> None:
-        key = f"{recipe.ROOT}activity/{identity}"
+        key = f"{self.cluster.root}activity/{identity}"
         if activity is None:
             self.cluster.delete(key)
         else:
             self.cluster.put(key, json.dumps({"activity": activity, "at": time.time()}).encode())
 
     def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
-        prefix = f"{recipe.ROOT}{repo}/@" + (f"{lock}/" if lock else "")
+        prefix = f"{self.cluster.root}{repo}/@" + (f"{lock}/" if lock else "")
         kvs, _ = self.cluster.range_prefix(prefix)
         found = set()
         for kv in kvs:
-            name, _, kind = kv["key"][len(f"{recipe.ROOT}{repo}/@") :].partition("/")
+            name, _, kind = kv["key"][len(f"{self.cluster.root}{repo}/@") :].partition("/")
             if kind.startswith("q/"):
                 found.add(name)
         return [EtcdLock(self, repo, name).status() for name in sorted(found)]

@@ -23,17 +23,32 @@ API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round 
 _T = TypeVar("_T")
 
 
-def parse_url(url: str) -> list[tuple[str, int]]:
-    """``etcd://h1:2379,h2:2379`` -> [(h1, 2379), (h2, 2379)]."""
+DEFAULT_PREFIX = "pearing"
+_URL_RULE = "must be etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"
+_PREFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://h1:2379,h2:2379/team-a`` -> ([(h1, 2379), (h2, 2379)], "team-a").
+
+    The prefix is the tenant: every key of every command lives under ``/PREFIX/``
+    (default ``pearing``), so two teams or environments can share one cluster.
+    It follows the scope rule: segments of [A-Za-z0-9._-], none empty, '.' or '..'.
+    """
     if not url.startswith("etcd://"):
-        raise BadValue("backend", url, "must be etcd://HOST:PORT[,HOST:PORT...]")
+        raise BadValue("backend", url, _URL_RULE)
+    hosts, _, prefix = url[len("etcd://") :].partition("/")
+    prefix = prefix or DEFAULT_PREFIX  # none, or a trailing slash alone: the default tenant
+    segments = prefix.split("/")
+    if len(prefix) > 200 or any(not seg or seg in (".", "..") or not set(seg) <= _PREFIX_CHARS for seg in segments):
+        raise BadValue("backend", url, f"{_URL_RULE}; PREFIX is segments of [A-Za-z0-9._-] joined by '/'")
     out = []
-    for part in url[len("etcd://") :].rstrip("/").split(","):
+    for part in hosts.split(","):
         host, _, port = part.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-            raise BadValue("backend", url, "must be etcd://HOST:PORT[,HOST:PORT...]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadValue("backend", url, _URL_RULE)
         out.append((host.strip("[]"), int(port)))
-    return out
+    return out, prefix
 
 
 def b64(data: str | bytes) -> str:
@@ -61,7 +76,9 @@ class Cluster:
                 "backend", url, "the etcd backend needs etcd3gw: pip install 'pearing-singleflight[etcd]'"
             ) from None
         self.url = url
-        self.endpoints = parse_url(url)
+        self.endpoints, prefix = parse_url(url)
+        # Every key lives under this root: locks, requests, activity, the ledger.
+        self.root = f"/{prefix}/"
         self.timeout = timeout
         self._clients = [
             etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path=API_PATH) for h, p in self.endpoints

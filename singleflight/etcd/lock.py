@@ -1,16 +1,18 @@
 """The lock recipe on etcd, after etcd's own ``client/v3/concurrency/mutex.go``.
 
-    /pearing/SCOPE/@LOCK/q/TICKET     one key per ticket, on the ticket's lease, created
-                                      in a txn only if absent; the holder is the key with
-                                      the lowest create revision (FIFO for free), and that
-                                      revision is the fence
-    /pearing/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new holder waits
-                                      for these to go before it proceeds
-    /pearing/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
-    /pearing/SCOPE/@LOCK/t/TICKET     the ticket as created, kept an hour (a lapsed lease reads expired)
-    /pearing/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
-    /pearing/activity/IDENTITY        update-user-activity
-    /pearing/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
+Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
+
+    /PREFIX/SCOPE/@LOCK/q/TICKET     one key per ticket, on the ticket's lease, created
+                                     in a txn only if absent; the holder is the key with
+                                     the lowest create revision (FIFO for free), and that
+                                     revision is the fence
+    /PREFIX/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new holder waits
+                                     for these to go before it proceeds
+    /PREFIX/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
+    /PREFIX/SCOPE/@LOCK/t/TICKET     the ticket as created, kept an hour (a lapsed lease reads expired)
+    /PREFIX/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
+    /PREFIX/activity/IDENTITY        update-user-activity
+    /PREFIX/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
 
 A waiter watches only the key just ahead of it, from the revision it read the
 queue at, then re-reads the queue (and checks its own key still exists).
@@ -29,8 +31,6 @@ from singleflight.core.errors import CorruptRecord
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.etcd.client import Cluster, b64
 
-ROOT = "/pearing/"
-
 
 def ttl_of(seconds: float) -> int:
     """etcd leases count whole seconds; round up so a lease is never shorter than asked."""
@@ -40,7 +40,7 @@ def ttl_of(seconds: float) -> int:
 class Mutex:
     def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
         self.cluster, self.repo, self.lock = cluster, repo, lock
-        self.base = f"{ROOT}{repo}/@{lock}/"
+        self.base = f"{cluster.root}{repo}/@{lock}/"
         self.q, self.g, self.e, self.r, self.t = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/"))
 
     # -- queue ---------------------------------------------------------------
@@ -208,7 +208,7 @@ def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
     """The ledger as an etcd key, updated by compare-and-swap on its mod revision."""
     from singleflight.core.errors import StaleFence
 
-    key = f"{ROOT}ledger/{resource}"
+    key = f"{cluster.root}ledger/{resource}"
     while True:
         kv = cluster.get(key)
         highest = int(kv["value"]) if kv else 0
