@@ -17,6 +17,7 @@ is free again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -45,14 +46,18 @@ _RELEASE_WAIT = 30.0
 
 
 class Busy(PearingError):
-    """The wait ran out: ``ticket`` is the waiting ticket (it keeps its FIFO place for its
-    lease; retry with the same ``request_uuid`` to keep it)."""
+    """The wait ran out. ``ticket`` is the ticket as it stood, waiting in line.
+
+    With a ``request_uuid`` of the caller's, it keeps its FIFO place for its lease, as
+    ``pearing-cli acquire-lock``'s exit 75 does: a retry with the same uuid resumes it
+    (``kept`` is True). Without one nobody could ever resume it, so it is cancelled.
+    """
 
     exit_code = ExitCode.BUSY
 
-    def __init__(self, ticket: dict[str, Any]) -> None:
-        self.ticket = ticket
-        super().__init__(f"lock {ticket.get('lock_name')!r} is busy: still waiting in line")
+    def __init__(self, ticket: dict[str, Any], *, kept: bool) -> None:
+        self.ticket, self.kept = ticket, kept
+        super().__init__(f"lock {ticket.get('lock_name')!r} is busy")
 
 
 class LeaseLost(PearingError):
@@ -129,6 +134,7 @@ class Lock:
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
+        self._own_uuid = request_uuid is not None
         self.request_uuid = names.request_uuid(request_uuid) if request_uuid is not None else new_uuid4()
         self.lease_seconds = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
         self.wait_seconds = names.seconds(wait_seconds, "wait_seconds")
@@ -155,10 +161,13 @@ class Lock:
                 identity=self.identity,
                 control=self.heartbeat,
             )
+            if out.code == ExitCode.BUSY:
+                if not self._own_uuid:
+                    with contextlib.suppress(PearingError):
+                        ops.release(backend, self.name, self.repo, out.ticket["ticket_id"])
+                raise Busy(out.ticket, kept=self._own_uuid)
         finally:
             backend.close()
-        if out.code == ExitCode.BUSY:
-            raise Busy(out.ticket)
         if out.code != ExitCode.OK or chan is None:
             raise NotHeld(out.ticket["ticket_id"], out.reason or out.ticket["state"])
         # From here the agent renews (auto) while this process lives, and releases if it dies.

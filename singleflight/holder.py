@@ -183,8 +183,9 @@ class Holder:
             elif msg.kind == protocol.EXITED:
                 self.cmd_done = True
                 self.finish(msg.status)
-        if self.chan.eof and self.cfg.owned_by_wrapper and (self.cmd_pid is None or self.cmd_done):
-            # pearing-run died before COMMAND started, or after it ended.
+        if self.chan.eof and (self.cmd_done if self.cmd_pid is not None else self.cfg.owned_by_wrapper):
+            # The owner is gone and so is what it ran: pearing-run died before COMMAND started
+            # or after it ended; a Lock's process died inside its block.
             self.finish(None)
 
     def _check_lease(self) -> None:

@@ -1,0 +1,188 @@
+"""The public Python API, ``from singleflight import Busy, LeaseLost, Lock``, on both backends.
+
+Each scenario runs in a real Python process (started through ``procs``, so it carries the
+test's backend and lock dir and is reaped at the end) and prints one JSON line per fact.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+
+from singleflight.core.const import ExitCode
+
+PRELUDE = """
+import json, os, subprocess, sys, time
+from singleflight import Busy, LeaseLost, Lock
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+def verify(path):
+    return subprocess.run([{guard!r}, "verify", "--token-file", path], capture_output=True).returncode
+"""
+
+
+def script(body: str) -> list[str]:
+    code = PRELUDE.format(guard=PEARING_GUARD) + textwrap.dedent(body)
+    return [sys.executable, "-c", code]
+
+
+def facts(out: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+
+
+def test_import_is_cheap_and_public() -> None:
+    import singleflight
+
+    assert {"Busy", "LeaseLost", "Lock"} <= set(singleflight.__all__)
+    from singleflight import Busy, LeaseLost, Lock
+
+    assert issubclass(Busy, Exception) and issubclass(LeaseLost, Exception) and callable(Lock)
+
+
+def test_fence_rises_across_two_blocks_and_the_token_is_live_only_inside(backend: str, procs: Procs) -> None:
+    r = procs.run(
+        script("""
+            for _ in range(2):
+                with Lock("J", lease_seconds=5) as held:
+                    say(fence=held.fence, ticket=held.ticket_id, promoted=held.promoted, inside=verify(held.token_file))
+                say(after=verify(held.token_file), token_file_left=os.path.exists(held.token_file))
+        """),
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+    first, after1, second, after2 = facts(r.stdout)
+    assert first["inside"] == 0 and second["inside"] == 0
+    assert after1 == after2 == {"after": 1, "token_file_left": False}
+    assert second["fence"] > first["fence"] >= 1
+    assert first["ticket"] != second["ticket"]
+    assert first["promoted"] is False
+
+
+def test_busy_when_the_wait_runs_out_and_nothing_is_left_behind(backend: str, procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    r = procs.run(
+        script("""
+            t0 = time.monotonic()
+            try:
+                with Lock("J", wait_seconds=1):
+                    say(ran=True)
+            except Busy as exc:
+                say(busy=True, state=exc.ticket["state"], kept=exc.kept, code=int(exc.exit_code),
+                    waited=time.monotonic() - t0)
+        """),
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+    (fact,) = facts(r.stdout)
+    assert fact["busy"] and fact["state"] == "waiting" and fact["kept"] is False
+    assert fact["code"] == ExitCode.BUSY
+    assert 0.9 <= fact["waited"] < 10
+    # Without a request uuid of the caller's the place is cancelled: no waiter remains.
+    status = procs.run_text([PEARING_CLI, "status", "J", "--json"]).json
+    assert status[0]["waiters"] == []
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+def test_a_waiter_is_promoted_with_a_larger_fence(backend: str, procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", f"echo $PEARING_FENCE > {q(work / 'f1')}; {gate.script()}")
+    gate.wait_ready()
+    waiter = procs.start(
+        script("""
+            with Lock("J", wait_seconds=30) as held:
+                say(fence=held.fence, promoted=held.promoted, inside=verify(held.token_file))
+        """)
+    )
+    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "J", "--json"]).json[0]["waiters"], 15, "the Lock to queue")
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    r = procs.finish(waiter, timeout=60)
+    assert r.returncode == 0, r
+    (fact,) = facts(r.stdout)
+    assert fact["promoted"] is True and fact["inside"] == 0
+    assert fact["fence"] > int((work / "f1").read_text())
+
+
+def test_auto_heartbeat_keeps_the_lease_past_its_length(backend: str, procs: Procs) -> None:
+    r = procs.run(
+        script("""
+            with Lock("J", lease_seconds=2) as held:
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    assert verify(held.token_file) == 0, "lease lost under auto heartbeat"
+                    time.sleep(0.2)
+                held.heartbeat()
+                say(alive=verify(held.token_file))
+        """),
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+    assert facts(r.stdout) == [{"alive": 0}]
+
+
+def test_manual_heartbeat_after_the_lease_ran_out_raises_lease_lost(backend: str, procs: Procs) -> None:
+    r = procs.run(
+        script("""
+            with Lock("J", lease_seconds=2, heartbeat="manual") as held:
+                held.heartbeat()
+                deadline = time.monotonic() + 20
+                while verify(held.token_file) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                try:
+                    held.heartbeat()
+                    say(lost=False)
+                except LeaseLost as exc:
+                    say(lost=True, code=int(exc.exit_code))
+                try:
+                    with held.guarded():
+                        say(guarded_ran=True)
+                except LeaseLost:
+                    say(guarded_refused=True)
+        """),
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+    assert facts(r.stdout) == [{"lost": True, "code": ExitCode.LEASE_LOST}, {"guarded_refused": True}]
+    # The lock is free again for others.
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+def test_guarded_runs_the_block_while_held(backend: str, procs: Procs, work: Path) -> None:
+    r = procs.run(
+        script(f"""
+            with Lock("J", lease_seconds=5) as held:
+                with held.guarded() as verdict:
+                    open({str(work / "side-effect")!r}, "w").write(str(verdict.fence))
+                say(fence=held.fence)
+        """),
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+    (fact,) = facts(r.stdout)
+    assert (work / "side-effect").read_text() == str(fact["fence"])
+
+
+def test_a_process_that_dies_inside_the_block_frees_the_lock(backend: str, procs: Procs, work: Path) -> None:
+    p = procs.start(
+        script(f"""
+            with Lock("J", lease_seconds=30) as held:
+                open({str(work / "in")!r}, "w").write("1")
+                os.kill(os.getpid(), 9)
+        """)
+    )
+    assert procs.finish(p, timeout=60).returncode == -9
+    assert (work / "in").exists()
+    # The agent saw its owner die and released: long before the 30 s lease would run out.
+    r = procs.pr_run("--job", "J", "--wait-seconds", "15", "--", "true")
+    assert r.returncode == 0 and r.elapsed < 15, r
