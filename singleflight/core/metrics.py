@@ -1,0 +1,426 @@
+"""Prometheus textfile metrics of ``pearing-run --metrics-dir DIR``, for node_exporter.
+
+Files
+-----
+One file per (repo, job) in DIR, in the Prometheus text format 0.0.4 that node_exporter's
+textfile collector reads (``*.prom``, no sample timestamps)::
+
+    pearing_<job>@<repo with every "/" written "+">.prom
+    e.g. job checkin, repo teams/platform/web  ->  pearing_checkin@teams+platform+web.prom
+
+``@`` and ``+`` are outside the job and repo alphabets, so the name decodes back to one
+(repo, job) pair: two pairs never share a file. A name longer than 255 bytes (job and repo
+together over 241 characters) is cut and ends in ``~`` and 32 hex digits of
+SHA-256(``<job>@<repo>``); ``~`` never appears in a short name, so a long name could only
+collide with another long one through a SHA-256 collision.
+
+The file is replaced whole (rename of a temp file), so the collector sees the previous or
+the next version, never a mix. Beside it, in DIR: ``.pearing_metrics.lock`` (flock: one
+read-modify-write at a time in DIR, so concurrent runs of the same job lose no count) and,
+for an instant, ``.pearing_metrics.<pid>.tmp``. Both are hidden and do not end in ``.prom``.
+Neither the target, nor the temp file, nor the lock file is followed through a symlink; a
+symlink or non-regular file at the target is refused. DIR itself may be a symlink (it is the
+operator's path). DIR is created (mode 0755) if its parent exists; parents are not. Files are
+mode 0644 whatever the umask, and DIR when created 0755: node_exporter runs as another user.
+No fsync: the write sits on the hand-over path, and the worst a power loss can do is restart
+the counters, which Prometheus handles as a counter reset.
+
+Series (labels ``job``, ``repo``; HELP and TYPE in every file, identical in all of them,
+because node_exporter refuses one metric name with two help texts)::
+
+    pearing_run_running                       gauge   1 from start to end, else 0
+    pearing_run_last_start_timestamp_seconds  gauge   absent until a run starts
+    pearing_run_last_end_timestamp_seconds    gauge   absent until a run ends
+    pearing_run_last_success_timestamp_seconds gauge  end time of the last run that exited 0
+    pearing_run_last_exit_code                gauge   pearing-run's exit status of the last run
+    pearing_run_last_duration_seconds         gauge   start to end of the last run
+    pearing_run_runs_total                    counter starts
+    pearing_run_busy_total                    counter busy skips
+    pearing_run_deduplicated_total            counter exits 0 without running COMMAND
+    pearing_run_lease_lost_total              counter runs stopped for a lost lease
+
+Counters carry on across runs by reading the previous file back. A previous file that does
+not parse or carries other labels is not ours: counters restart from 0 (metrics are best
+effort); series this version does not know are dropped.
+
+What the runner calls
+---------------------
+Every pearing-run invocation that gets as far as deciding records exactly one of:
+
+- ``busy``: it exits with the busy code without running COMMAND (lock busy, wait timed out,
+  the same request already holds or waits, a ``--queue latest`` waiter cancelled).
+- ``deduplicated``: it exits 0 without running COMMAND because the work is done: the request
+  completed within the dedupe window, ``--min-interval`` has not passed, or ``--skip-if``
+  said done.
+- a run: ``start`` once the lock is held and ``--skip-if`` passed, just before COMMAND is
+  spawned (so 126 / 127 are runs too); ``lease_lost`` as soon as ownership is lost (lease
+  expired, ``--max-runtime``, holder killed), and in every case ``end`` with the status
+  pearing-run exits with (124 after a lost lease) and ``duration`` = its monotonic time since
+  ``start``, once COMMAND's group is gone and **before the lock is released**: the next
+  holder's ``start`` then always lands after this ``end``, so ``running`` is never left 0
+  under a live run (an ``end`` written after the hand-over would set it to 0 under the
+  next holder's run). ``lease_lost`` is separate from ``end`` 124 because a COMMAND may itself
+  exit 124 (``timeout(1)`` does). A ``--cancel-in-progress`` victim is an ``end`` with its
+  busy code, not a lost lease.
+
+Usage errors and lock dir errors record nothing. After a kill -9 of pearing-run,
+``running`` stays 1 until the job's next ``start`` or ``end``. ``now`` is wall-clock time
+(``time.time()``): the timestamps are for ``time() - x`` in alert rules.
+
+Failures
+--------
+Every failure, bad arguments included, is raised as ``MetricsError`` and nothing else. The
+runner prints its one line to stderr and carries on with its exit status unchanged: a
+metrics write never changes what pearing-run exits with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import math
+import os
+import stat
+import time
+from typing import Final, Literal, TypeAlias, TypeGuard
+
+from singleflight.core import names
+from singleflight.core.errors import BadValue, PearingError
+
+Event = Literal["start", "end", "busy", "deduplicated", "lease_lost"]
+START: Final = "start"
+END: Final = "end"
+BUSY: Final = "busy"
+DEDUPLICATED: Final = "deduplicated"
+LEASE_LOST: Final = "lease_lost"
+EVENTS: Final = frozenset({START, END, BUSY, DEDUPLICATED, LEASE_LOST})
+
+RUNNING: Final = "pearing_run_running"
+LAST_START: Final = "pearing_run_last_start_timestamp_seconds"
+LAST_END: Final = "pearing_run_last_end_timestamp_seconds"
+LAST_SUCCESS: Final = "pearing_run_last_success_timestamp_seconds"
+LAST_EXIT_CODE: Final = "pearing_run_last_exit_code"
+LAST_DURATION: Final = "pearing_run_last_duration_seconds"
+RUNS: Final = "pearing_run_runs_total"
+BUSY_TOTAL: Final = "pearing_run_busy_total"
+DEDUPLICATED_TOTAL: Final = "pearing_run_deduplicated_total"
+LEASE_LOST_TOTAL: Final = "pearing_run_lease_lost_total"
+
+# Name, type, help. The help text is an interface: node_exporter refuses a metric whose help
+# differs between two files, so changing it breaks collection until every file is rewritten.
+_METRICS: Final = (
+    (RUNNING, "gauge", "1 while a run of this job is running its command, else 0."),
+    (LAST_START, "gauge", "Unix time the last run of this job started its command."),
+    (LAST_END, "gauge", "Unix time the last run of this job ended."),
+    (LAST_SUCCESS, "gauge", "Unix time the last run of this job that exited 0 ended."),
+    (LAST_EXIT_CODE, "gauge", "Exit status of the last run of this job (124: lease lost; 128+N: signal N)."),
+    (LAST_DURATION, "gauge", "Seconds the last run of this job took from start to end."),
+    (RUNS, "counter", "Runs of this job that started its command."),
+    (BUSY_TOTAL, "counter", "Invocations of this job that exited busy without running its command."),
+    (DEDUPLICATED_TOTAL, "counter", "Invocations of this job that exited 0 without running its command."),
+    (LEASE_LOST_TOTAL, "counter", "Runs of this job stopped because their lease was lost."),
+)
+_KINDS: Final = {name: kind for name, kind, _ in _METRICS}
+# Written even before the first event that sets them: rate() needs a 0 to start from.
+_ALWAYS: Final = frozenset({RUNNING, RUNS, BUSY_TOTAL, DEDUPLICATED_TOTAL, LEASE_LOST_TOTAL})
+_COUNTER_OF: Final = {START: RUNS, BUSY: BUSY_TOTAL, DEDUPLICATED: DEDUPLICATED_TOTAL, LEASE_LOST: LEASE_LOST_TOTAL}
+
+_PREFIX: Final = "pearing_"
+_SUFFIX: Final = ".prom"
+_NAME_MAX: Final = 255
+_HASH_HEX: Final = 32
+LOCK_NAME: Final = ".pearing_metrics.lock"
+_DIR_MODE: Final = 0o755
+_FILE_MODE: Final = 0o644
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted at one of our names must fail or return, never hang.
+_FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+# Our own file is about 2 KiB; anything much larger is not ours and is not worth reading.
+_MAX_FILE: Final = 64 * 1024
+# Writes take well under a millisecond; a lock held this long belongs to a stopped or
+# hostile process, and metrics must never hold up the run. flock(2) has no timeout, and an
+# alarm would meddle with the runner's signal handling, so the wait polls with backoff.
+_LOCK_WAIT: Final = 5.0
+_LOCK_POLL_MAX: Final = 0.01
+_MAX_COUNTER_DIGITS: Final = 20
+_DIGITS: Final = frozenset("0123456789")
+
+# Metric name to value; counters, running and the exit code stay ints.
+State: TypeAlias = dict[str, float]
+
+
+class MetricsError(PearingError):
+    """A metrics file was not written. Never changes pearing-run's exit status."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path, self.detail = path, detail
+        super().__init__(f"metrics not written to {path}: {detail}")
+
+
+def file_name(repo: str, job: str) -> str:
+    """The metrics file of a validated (repo, job); see the module docstring."""
+    name = f"{_PREFIX}{job}@{repo.replace('/', '+')}{_SUFFIX}"
+    if len(name) <= _NAME_MAX:
+        return name
+    import hashlib  # only for names past NAME_MAX, which few setups have
+
+    digest = hashlib.sha256(f"{job}@{repo}".encode()).hexdigest()[:_HASH_HEX]
+    keep = _NAME_MAX - len(_SUFFIX) - 1 - _HASH_HEX
+    return f"{name[:keep]}~{digest}{_SUFFIX}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(repo: str, job: str) -> str:
+    return f'job="{_escape(job)}",repo="{_escape(repo)}"'
+
+
+def _is_seconds(value: object) -> TypeGuard[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)  # an int past 1e308 overflows here, not later in the write
+    except OverflowError:
+        return False
+    return math.isfinite(number) and number >= 0
+
+
+def _check(
+    metrics_dir: str, repo: str, job: str, event: str, *, now: float, exit_code: int | None, duration: float | None
+) -> None:
+    if not metrics_dir:
+        raise MetricsError(repr(metrics_dir), "empty metrics dir")
+    if "\0" in metrics_dir:
+        raise MetricsError(repr(metrics_dir), "NUL in the metrics dir path")
+    try:
+        names.scope(repo, "repo")
+        names.lock_name(job, "job")
+    except BadValue as exc:
+        raise MetricsError(metrics_dir, str(exc)) from None
+    if event not in EVENTS:
+        raise MetricsError(metrics_dir, f"unknown event {event!r}")
+    if not _is_seconds(now):
+        raise MetricsError(metrics_dir, f"bad time {now!r}")
+    if event != END:
+        if exit_code is not None or duration is not None:
+            raise MetricsError(metrics_dir, f"exit_code and duration belong to {END!r}, not {event!r}")
+        return
+    if not (isinstance(exit_code, int) and not isinstance(exit_code, bool) and 0 <= exit_code <= 255):
+        raise MetricsError(metrics_dir, f"bad exit code {exit_code!r}: {END!r} needs an integer 0-255")
+    if not _is_seconds(duration):
+        raise MetricsError(metrics_dir, f"bad duration {duration!r}: {END!r} needs seconds >= 0")
+
+
+def _parse_value(name: str, text: str) -> int | float | None:
+    if _KINDS[name] == "counter" or name in (RUNNING, LAST_EXIT_CODE):
+        if not text or len(text) > _MAX_COUNTER_DIGITS or not _DIGITS.issuperset(text):
+            return None
+        return int(text)
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def parse(data: bytes, repo: str, job: str) -> State | None:
+    """The series of a file we wrote for (repo, job); None if it is corrupt or not ours."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    want = _labels(repo, job) + "}"
+    state: State = {}
+    for line in text.split("\n"):
+        if not line or line[0] == "#":
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        if name not in _KINDS:
+            continue
+        if labels != want:
+            return None
+        number = _parse_value(name, value)
+        if number is None:
+            return None
+        state[name] = number
+    return state
+
+
+def render(state: State, repo: str, job: str) -> bytes:
+    """The file for ``state``: HELP, TYPE and the sample of every series that has a value."""
+    labels = _labels(repo, job)
+    lines = []
+    for name, kind, help_text in _METRICS:
+        value = state.get(name, 0 if name in _ALWAYS else None)
+        if value is None:
+            continue
+        shown = repr(value) if isinstance(value, float) else str(value)
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {shown}"]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _apply(
+    state: State, event: str, *, now: float, exit_code: int | None = None, duration: float | None = None
+) -> State:
+    new = dict(state)
+    counter = _COUNTER_OF.get(event)
+    if counter is not None:
+        new[counter] = int(new.get(counter, 0)) + 1
+    if event == START:
+        new[RUNNING] = 1
+        new[LAST_START] = float(now)
+    elif event == END:
+        assert exit_code is not None and duration is not None  # _check saw to it
+        new[RUNNING] = 0
+        new[LAST_END] = float(now)
+        new[LAST_EXIT_CODE] = exit_code
+        new[LAST_DURATION] = float(duration)
+        if exit_code == 0:
+            new[LAST_SUCCESS] = float(now)
+    return new
+
+
+def _os_detail(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _open_dir(path: str) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise MetricsError(path, _os_detail(exc)) from None
+    try:
+        os.mkdir(path, _DIR_MODE)
+        created = True
+    except FileExistsError:
+        created = False
+    except FileNotFoundError:
+        raise MetricsError(path, "no such directory, nor its parent (parents are not created)") from None
+    except OSError as exc:
+        raise MetricsError(path, f"cannot create the directory: {_os_detail(exc)}") from None
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+        if created:
+            os.fchmod(fd, _DIR_MODE)
+    except OSError as exc:
+        raise MetricsError(path, _os_detail(exc)) from None
+    return fd
+
+
+def _lock(dir_fd: int, metrics_dir: str) -> int:
+    path = f"{metrics_dir}/{LOCK_NAME}"
+    try:
+        # Read-only is enough for flock, and lets users who share DIR share the lock file.
+        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | _FILE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+    except OSError as exc:
+        raise MetricsError(path, _refusal(exc)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MetricsError(path, "is not a regular file; refusing it")
+        deadline = time.monotonic() + _LOCK_WAIT
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise MetricsError(path, f"still locked by another process after {_LOCK_WAIT:g} s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, _LOCK_POLL_MAX)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _refusal(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "is a symlink; refusing to follow or replace it"
+    return _os_detail(exc)
+
+
+def _read_previous(dir_fd: int, name: str, path: str) -> bytes | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise MetricsError(path, _refusal(exc)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MetricsError(path, "is not a regular file; refusing to replace it")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= _MAX_FILE and (chunk := os.read(fd, _MAX_FILE + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        # Too big to be ours: read as empty, so its counters restart like any foreign file's.
+        return b"".join(chunks) if size <= _MAX_FILE else b""
+    except OSError as exc:
+        raise MetricsError(path, _os_detail(exc)) from None
+    finally:
+        os.close(fd)
+
+
+def _replace(dir_fd: int, name: str, path: str, data: bytes) -> None:
+    # One writer at a time per DIR (the flock), so a per-process name cannot clash; a temp
+    # left by a kill -9 is reused by the next writer with that pid and is never read.
+    tmp = f".pearing_metrics.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+    except OSError as exc:
+        raise MetricsError(path, f"temp file {tmp}: {_refusal(exc)}") from None
+    try:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise MetricsError(path, f"temp file {tmp} is not a regular file")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, _FILE_MODE)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        if isinstance(exc, OSError):
+            raise MetricsError(path, _os_detail(exc)) from None
+        raise
+
+
+def record(
+    metrics_dir: str,
+    repo: str,
+    job: str,
+    event: Event,
+    *,
+    now: float,
+    exit_code: int | None = None,
+    duration: float | None = None,
+) -> None:
+    """Record one event of (repo, job) in its file in ``metrics_dir``; MetricsError on any failure.
+
+    ``exit_code`` (0-255) and ``duration`` (seconds) go with ``end`` and only with it.
+    """
+    _check(metrics_dir, repo, job, event, now=now, exit_code=exit_code, duration=duration)
+    name = file_name(repo, job)
+    path = f"{metrics_dir}/{name}"
+    dir_fd = _open_dir(metrics_dir)
+    try:
+        lock_fd = _lock(dir_fd, metrics_dir)
+        try:
+            previous = _read_previous(dir_fd, name, path)
+            state = (parse(previous, repo, job) if previous is not None else None) or {}
+            state = _apply(state, event, now=now, exit_code=exit_code, duration=duration)
+            _replace(dir_fd, name, path, render(state, repo, job))
+        finally:
+            os.close(lock_fd)
+    finally:
+        os.close(dir_fd)
