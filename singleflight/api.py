@@ -27,7 +27,7 @@ from typing import Any
 from singleflight import guard, ops
 from singleflight.backend import backend_url, open_backend
 from singleflight.core import identity as identities
-from singleflight.core import names, proc, protocol
+from singleflight.core import keys, names, proc, protocol
 from singleflight.core.const import (
     DEFAULT_GUARD_MAX_SECONDS,
     DEFAULT_LEASE_SECONDS,
@@ -125,6 +125,7 @@ class Lock:
         *,
         repo: str = DEFAULT_SCOPE,
         request_uuid: str | None = None,
+        request_key: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         wait_seconds: float = 0.0,
         heartbeat: str = "auto",
@@ -134,8 +135,13 @@ class Lock:
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
-        self._own_uuid = request_uuid is not None
-        self.request_uuid = names.request_uuid(request_uuid) if request_uuid is not None else new_uuid4()
+        if request_uuid is not None and request_key is not None:
+            raise UsageError("give request_uuid or request_key, not both")
+        self._own_uuid = request_uuid is not None or request_key is not None
+        if request_key is not None:
+            self.request_uuid = keys.request_key_uuid(request_key, "request_key")
+        else:
+            self.request_uuid = names.request_uuid(request_uuid) if request_uuid is not None else new_uuid4()
         self.lease_seconds = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
         self.wait_seconds = names.seconds(wait_seconds, "wait_seconds")
         if heartbeat not in ("auto", "manual"):

@@ -81,6 +81,9 @@ class Lease(Protocol):
 
     def record_request(self, status: int | None, window: float) -> None: ...
 
+    def record_success(self) -> None:
+        """This run succeeded: its start is the (scope, lock)'s last successful start."""
+
     def remove_token_file(self) -> None: ...
 
     def release(self) -> None:
@@ -105,6 +108,9 @@ class LockOps(Protocol):
         """We did not run after all: put back what the record said before our claim."""
 
     def read_request(self, request_uuid: str) -> RequestRecord | None: ...
+
+    def last_success(self) -> float | None:
+        """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""
 
     # -- acquiring ---------------------------------------------------------------------------
     def enter(self, ticket: Ticket) -> Place: ...

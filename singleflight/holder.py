@@ -34,7 +34,15 @@ _MAX_SELECT_S = 86400.0 * 365
 
 
 class HolderConfig:
-    __slots__ = ("dedupe_window", "heartbeat_auto", "kill_grace", "max_runtime", "owned_by_wrapper", "request_uuid")
+    __slots__ = (
+        "dedupe_window",
+        "heartbeat_auto",
+        "kill_grace",
+        "max_runtime",
+        "owned_by_wrapper",
+        "record_success",
+        "request_uuid",
+    )
 
     def __init__(
         self,
@@ -45,6 +53,7 @@ class HolderConfig:
         request_uuid: str | None = None,
         dedupe_window: float = 0.0,
         owned_by_wrapper: bool = True,
+        record_success: bool = False,
     ) -> None:
         self.heartbeat_auto = heartbeat_auto
         self.max_runtime = max_runtime
@@ -55,6 +64,9 @@ class HolderConfig:
         # started means it died, so release; its COMMAND is stopped on loss. An agent's
         # owner (a CLI call) may hang up at any time; a Lock's process is never signalled.
         self.owned_by_wrapper = owned_by_wrapper
+        # --min-interval: a success's start is recorded before the lock is released, so a
+        # waiter promoted next sees it and is deduplicated.
+        self.record_success = record_success
 
 
 def detach(keep: set[int]) -> None:
@@ -213,6 +225,8 @@ class Holder:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
         if self.cfg.request_uuid:
             self.lease.record_request(status, self.cfg.dedupe_window)
+        if self.cfg.record_success and status == 0:
+            self.lease.record_success()
         reason = "command ended" if status is None else f"command exited {status}"
         self.lease.end(RELEASED, reason)
         fault.point("mid-release")

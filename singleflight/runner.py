@@ -45,6 +45,7 @@ from singleflight.core.ticket import Ticket, new_uuid4
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip, LockOps
+    from singleflight.core.metrics import Event
     from singleflight.core.protocol import Channel, Taken
     from singleflight.holder import HolderConfig
 
@@ -113,6 +114,8 @@ class RunOptions:
         "lock_dir",
         "log_format",
         "max_runtime",
+        "metrics_dir",
+        "min_interval",
         "repo",
         "request_uuid",
         "skip_if",
@@ -140,12 +143,15 @@ class RunOptions:
         busy_exit_code: int = int(ExitCode.BUSY),
         verbose: bool = False,
         log_format: str = "text",
+        min_interval: float | None = None,
+        metrics_dir: str | None = None,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
         self.heartbeat_auto, self.max_runtime, self.kill_grace = heartbeat_auto, max_runtime, kill_grace
         self.request_uuid, self.dedupe_window, self.skip_if = request_uuid, dedupe_window, skip_if
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
+        self.min_interval, self.metrics_dir = min_interval, metrics_dir
 
     job: str
     repo: str
@@ -164,6 +170,8 @@ class RunOptions:
     busy_exit_code: int
     verbose: bool
     log_format: str
+    min_interval: float | None
+    metrics_dir: str | None
 
 
 class Runner:
@@ -176,6 +184,7 @@ class Runner:
         self.lost: str | None = None
         self.holder_pid = 0
         self.grip: Grip | None = None
+        self.started_mono = 0.0
 
     # -- top level ---------------------------------------------------------
 
@@ -193,18 +202,31 @@ class Runner:
             holder_pid=os.getpid(),
             holder_start=proc.start_time(os.getpid()),
         )
+        if self._done_recently():
+            return 0
         claimed = False
         if o.request_uuid:
             verdict = self.lk.claim_request(self.ticket)
             if verdict == CLAIM_DONE:
                 self.log.event("deduplicated", lock=o.job, request=o.request_uuid)
+                self._metric("deduplicated")
                 return 0
             if verdict == CLAIM_BUSY:
                 self.log.event("busy", lock=o.job, request=o.request_uuid, reason="request in flight")
+                self._metric("busy")
                 return o.busy_exit_code
             claimed = True
         try:
             grip = self._acquire()
+            # A run that waited behind a success sees it now, before taking the lease.
+            if grip is not None and self._done_recently():
+                with contextlib.suppress(PearingError):
+                    self.lk.end(self.ticket.ticket_id, CANCELLED, "deduplicated", only_if_held=False)
+                grip.close()
+                grip = None
+                if claimed:
+                    self.lk.unclaim_request(self.ticket)
+                return 0
         except BaseException:
             if claimed:
                 self.lk.unclaim_request(self.ticket)
@@ -212,8 +234,41 @@ class Runner:
         if grip is None:
             if claimed:
                 self.lk.unclaim_request(self.ticket)
+            self._metric("busy")
             return o.busy_exit_code
         return self._hold_and_run(grip)
+
+    def _done_recently(self) -> bool:
+        """--min-interval: a run of this job that succeeded started less than that long ago."""
+        if self.o.min_interval is None:
+            return False
+        last = self.lk.last_success()
+        if last is None or time.time() - last >= self.o.min_interval:
+            return False
+        from singleflight.core.ticket import rfc3339
+
+        self.log.event("deduplicated", lock=self.o.job, last_success_start=rfc3339(last))
+        self._metric("deduplicated")
+        return True
+
+    def _metric(self, event: Event, *, exit_code: int | None = None, duration: float | None = None) -> None:
+        """--metrics-dir: best effort; a failed write is one line and never the exit status."""
+        if self.o.metrics_dir is None:
+            return
+        from singleflight.core import metrics
+
+        try:
+            metrics.record(
+                self.o.metrics_dir,
+                self.o.repo,
+                self.o.job,
+                event,
+                now=time.time(),
+                exit_code=exit_code,
+                duration=duration,
+            )
+        except metrics.MetricsError as exc:
+            self.log.error(str(exc))
 
     def _acquire(self) -> Grip | None:
         o, lk, tid = self.o, self.lk, self.ticket.ticket_id
@@ -257,6 +312,7 @@ class Runner:
             kill_grace=o.kill_grace,
             request_uuid=o.request_uuid,
             dedupe_window=o.dedupe_window,
+            record_success=o.min_interval is not None,
         )
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._forward)
@@ -282,10 +338,13 @@ class Runner:
             check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
             if self.lost:
-                return self._finish(chan, 1, int(ExitCode.LEASE_LOST))
+                return self._finish(chan, 1, int(ExitCode.LEASE_LOST), ran=False)
             if status == 0:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
-                return self._finish(chan, 0, 0)
+                self._metric("deduplicated")
+                return self._finish(chan, 0, 0, ran=False)
+        self.started_mono = time.monotonic()
+        self._metric("start")
         pid = self._spawn(o.command, env, chan)
         if pid < 0:
             return self._finish(chan, -pid, -pid)
@@ -386,6 +445,7 @@ class Runner:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
         self.log.event("lease-lost", lock=self.o.job, reason=reason)
+        self._metric("lease_lost")
 
     def _holder_vanished(self, pid: int) -> None:
         """The holder died (kill -9): the token is dead. Stop COMMAND; our grip keeps the lock meanwhile."""
@@ -403,9 +463,13 @@ class Runner:
             os.close(pidfd)
         _killpg(pid, signal.SIGKILL)
 
-    def _finish(self, chan: Channel, status: int, exit_code: int) -> int:
+    def _finish(self, chan: Channel, status: int, exit_code: int, *, ran: bool = True) -> int:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
         self._let_go()  # COMMAND is dead: only the holder's copy of the lock remains
+        if ran:
+            # Before the release: the next holder's "start" must land after this "end".
+            code = int(ExitCode.LEASE_LOST) if self.lost else exit_code
+            self._metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
             if msg.kind == protocol.LOST and self.lost is None:

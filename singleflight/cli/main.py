@@ -16,7 +16,7 @@ import typer
 
 from singleflight import __version__, ops
 from singleflight.backend import Backend, backend_url, open_backend
-from singleflight.core import identity, names
+from singleflight.core import identity, keys, names
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
@@ -106,16 +106,24 @@ TicketArg = Annotated[str | None, typer.Argument(help="Ticket id (default PEARIN
 
 
 @app.command("acquire-lock")
-def acquire_lock(
+def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of the seed's command
     name: Annotated[str, typer.Argument(help="Lock name, e.g. thread-work.42.")],
-    request_uuid: Annotated[str, typer.Option("--request-uuid", help="Idempotency key of this acquisition.")],
+    request_uuid: Annotated[
+        str | None, typer.Option("--request-uuid", help="Idempotency key of this acquisition.")
+    ] = None,
     lease_seconds: Annotated[str, typer.Option("--lease-seconds", help="Lease length.")] = str(DEFAULT_LEASE_SECONDS),
     wait_seconds: Annotated[str, typer.Option("--wait-seconds", help="Wait in FIFO order up to this long.")] = "0",
     repo: RepoOpt = None,
+    request_key: Annotated[
+        str | None,
+        typer.Option("--request-key", help="Any event id: its UUIDv5 is the request uuid."),
+    ] = None,
 ) -> None:
     """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
     lock, scope = names.lock_name(name), _repo(repo)
-    uuid = names.request_uuid(request_uuid)
+    if (request_uuid is None) == (request_key is None):
+        raise UsageError("give exactly one of --request-uuid UUID or --request-key KEY")
+    uuid = names.request_uuid(request_uuid) if request_uuid is not None else keys.request_key_uuid(request_key or "")
     lease = names.seconds(lease_seconds, "--lease-seconds", allow_zero=False)
     wait = names.seconds(wait_seconds, "--wait-seconds")
     who = identity.resolve(_state.identity)

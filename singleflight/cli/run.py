@@ -9,13 +9,14 @@ import sys
 from singleflight import __version__
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.core import identity, names
+from singleflight.core import identity, keys, names
 from singleflight.core.const import (
     DEFAULT_DEDUPE_WINDOW,
     DEFAULT_KILL_GRACE,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
+    ENV_METRICS_DIR,
     ExitCode,
 )
 from singleflight.core.errors import BadValue, PearingError, UsageError
@@ -35,6 +36,9 @@ OPTIONS = [
     Option("--max-runtime", dest="max_runtime", metavar="S", help="stop COMMAND after S s whatever the lease"),
     Option("--kill-grace", dest="kill_grace", metavar="S", help="SIGTERM to SIGKILL delay (default 10)"),
     Option("--request-uuid", dest="request_uuid", metavar="UUID", help="idempotency key: replays run once"),
+    Option("--request-key", dest="request_key", metavar="KEY", help="any event id: the request uuid is its UUIDv5"),
+    Option("--min-interval", dest="min_interval", metavar="DURATION", help="skip if a success started < DURATION ago"),
+    Option("--metrics-dir", dest="metrics_dir", metavar="DIR", help="Prometheus textfile dir (PEARING_METRICS_DIR)"),
     Option("--dedupe-window", dest="dedupe_window", metavar="S", help="how long a success is remembered (86400)"),
     Option("--skip-if", dest="skip_if", metavar="CMD", help="after acquiring: exit 0 of CMD means already done"),
     Option("--busy-exit-code", dest="busy_code", metavar="N", help="exit code when busy (default 75)"),
@@ -81,7 +85,11 @@ def build_options(argv: list[str]) -> RunOptions:
     if log_format not in FORMATS:
         raise BadValue("--log-format", log_format, "must be text or json")
     max_runtime = _opt_str(values, "max_runtime")
-    request_uuid = _opt_str(values, "request_uuid")
+    request_uuid = _request_uuid(_opt_str(values, "request_uuid"), _opt_str(values, "request_key"))
+    min_interval = _opt_str(values, "min_interval")
+    metrics_dir = _opt_str(values, "metrics_dir")
+    if metrics_dir is None:
+        metrics_dir = os.environ.get(ENV_METRICS_DIR) or None
     return RunOptions(
         job=names.lock_name(job, "--job"),
         repo=names.scope(_opt(values, "repo", DEFAULT_SCOPE), "--repo scope"),
@@ -90,7 +98,9 @@ def build_options(argv: list[str]) -> RunOptions:
         heartbeat_auto=heartbeat == "auto",
         max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),
         kill_grace=names.seconds(_opt(values, "kill_grace", DEFAULT_KILL_GRACE), "--kill-grace"),
-        request_uuid=None if request_uuid is None else names.request_uuid(request_uuid),
+        request_uuid=request_uuid,
+        min_interval=None if min_interval is None else keys.duration(min_interval, "--min-interval"),
+        metrics_dir=_metrics_dir(metrics_dir),
         dedupe_window=names.seconds(_opt(values, "dedupe_window", DEFAULT_DEDUPE_WINDOW), "--dedupe-window"),
         skip_if=_skip_if(_opt_str(values, "skip_if")),
         busy_exit_code=names.exit_status(_opt(values, "busy_code", int(ExitCode.BUSY))),
@@ -101,6 +111,21 @@ def build_options(argv: list[str]) -> RunOptions:
         command=command,
         backend=backend_url(_opt_str(values, "backend"), os.environ.get(ENV_BACKEND)),
     )
+
+
+def _request_uuid(uuid: str | None, key: str | None) -> str | None:
+    """--request-uuid as given, or the documented UUIDv5 of --request-key; not both."""
+    if uuid is not None and key is not None:
+        raise UsageError("give --request-uuid or --request-key, not both")
+    if key is not None:
+        return keys.request_key_uuid(key, "--request-key")
+    return None if uuid is None else names.request_uuid(uuid)
+
+
+def _metrics_dir(value: str | None) -> str | None:
+    if value is not None and (not value or "\0" in value):
+        raise BadValue("--metrics-dir", value, "must be a directory path")
+    return None if value is None else os.path.abspath(value)
 
 
 def _pair(args: list[str], flag: str, value: str) -> bool:

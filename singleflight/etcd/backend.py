@@ -111,6 +111,9 @@ class EtcdLock:
     def read_request(self, request_uuid: str) -> RequestRecord | None:
         return self.mutex.read_request_kv(request_uuid)[0]
 
+    def last_success(self) -> float | None:
+        return self.mutex.read_last_success()
+
     def claim_request(self, ticket: Ticket) -> str:
         # The ticket's lease comes first: the claim lives exactly as long as this run.
         lease = self._lease_for(ticket)

@@ -84,6 +84,10 @@ class EtcdLease:
             record = RequestRecord.finished(self.ticket, status, window)
             self.mutex.write_request(self.ticket.request_uuid, record, max(window, 1.0))
 
+    def record_success(self) -> None:
+        with contextlib.suppress(BackendUnavailable):
+            self.mutex.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
+
     def remove_token_file(self) -> None:
         self.tokens.remove(self.ticket.ticket_id)
 

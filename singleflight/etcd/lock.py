@@ -11,6 +11,7 @@ Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
     /PREFIX/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
     /PREFIX/SCOPE/@LOCK/t/TICKET     the ticket as created, kept an hour (a lapsed lease reads expired)
     /PREFIX/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
+    /PREFIX/SCOPE/@LOCK/s            the last successful start (--min-interval)
     /PREFIX/activity/IDENTITY        update-user-activity
     /PREFIX/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
 
@@ -122,6 +123,23 @@ class Mutex:
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         self.cluster.put(self.e + t.ticket_id, value(t, lease), keep)
         self.cluster.revoke(lease)
+
+    # -- the last successful start (--min-interval), across hosts -------------------
+
+    def read_last_success(self) -> float | None:
+        kv = self.cluster.get(self.base + "s")
+        if kv is None:
+            return None
+        try:
+            value = json.loads(kv["value"])["started_at"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError("started_at is not a number")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptRecord(f"etcd:{self.base}s", f"not a success record: {exc}") from None
+        return float(value)
+
+    def write_last_success(self, started_at: float, ticket_id: str) -> None:
+        self.cluster.put(self.base + "s", json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode())
 
     # -- request records ---------------------------------------------------------
 

@@ -115,6 +115,9 @@ class LocalLease:
     def record_request(self, status: int | None, window: float) -> None:
         self.store.write_request(self.ticket.request_uuid, RequestRecord.finished(self.ticket, status, window))
 
+    def record_success(self) -> None:
+        self.store.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
+
     def remove_token_file(self) -> None:
         self.store.tokens.remove(self.ticket.ticket_id)
 
@@ -139,6 +142,9 @@ class LocalLock:
 
     def read_request(self, request_uuid: str) -> RequestRecord | None:
         return self.store.read_request(request_uuid)
+
+    def last_success(self) -> float | None:
+        return self.store.read_last_success()
 
     def claim_request(self, ticket: Ticket) -> str:
         store, now, uuid = self.store, time.time(), ticket.request_uuid

@@ -217,6 +217,24 @@ class LockStore:
                 removed += d.unlink(name)
         return removed
 
+    # -- the last successful start (--min-interval) --------------------------
+
+    def read_last_success(self) -> float | None:
+        data = self.dir.read("success")
+        if data is None:
+            return None
+        try:
+            value = json.loads(data)["started_at"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError("started_at is not a number")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptRecord(self.dir.child_path("success"), f"not a success record: {exc}") from None
+        return float(value)
+
+    def write_last_success(self, started_at: float, ticket_id: str) -> None:
+        body = json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode()
+        self.dir.write_atomic("success", body, durable=False)
+
     # -- token files and request records -----------------------------------
 
     @property
