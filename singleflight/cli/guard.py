@@ -18,7 +18,7 @@ from singleflight import __version__, guard
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
-from singleflight.core.errors import PearingError, UsageError
+from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
 
 PROG = "pearing-guard"
@@ -66,6 +66,8 @@ def cmd_exec(argv: list[str], log: Log) -> int:
         return _help(EXEC, "exec [--max-seconds S] [--token-file F] -- CMD [ARG...]")
     if not command:
         raise UsageError("no CMD given (put it after --)")
+    if not command[0]:
+        raise BadValue("CMD", command[0], "must name a program, not be empty")
     max_seconds = names.seconds(
         str(values.get("max_seconds") or DEFAULT_GUARD_MAX_SECONDS), "--max-seconds", allow_zero=False
     )

@@ -84,6 +84,8 @@ def build_options(argv: list[str]) -> RunOptions:
         raise UsageError("--job NAME is required")
     if not command:
         raise UsageError("no COMMAND given (put it after --)")
+    if not command[0]:
+        raise BadValue("COMMAND", command[0], "must name a program, not be empty")
     heartbeat = _opt(values, "heartbeat", "auto")
     if heartbeat not in ("auto", "manual"):
         raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
