@@ -68,8 +68,9 @@ def cmd_exec(argv: list[str], log: Log) -> int:
         raise UsageError("no CMD given (put it after --)")
     if not command[0]:
         raise BadValue("CMD", command[0], "must name a program, not be empty")
+    given = values.get("max_seconds")  # "--max-seconds=" is a bad number, not the default
     max_seconds = names.seconds(
-        str(values.get("max_seconds") or DEFAULT_GUARD_MAX_SECONDS), "--max-seconds", allow_zero=False
+        DEFAULT_GUARD_MAX_SECONDS if given is None else str(given), "--max-seconds", allow_zero=False
     )
     token_file = values.get("token_file")
     try:

@@ -97,7 +97,7 @@ def build_options(argv: list[str]) -> RunOptions:
     return RunOptions(
         job=names.lock_name(job, "--job"),
         repo=names.scope(_opt(values, "repo", DEFAULT_SCOPE), "--repo scope"),
-        lease_seconds=names.seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS), "--lease-seconds", allow_zero=False),
+        lease_seconds=names.lease_seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS)),
         wait_seconds=names.seconds(_opt(values, "wait", 0), "--wait-seconds"),
         heartbeat_auto=heartbeat == "auto",
         max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),
