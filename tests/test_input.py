@@ -9,13 +9,15 @@ strict types, unknown arguments) is in test_mcp.py, next to the server fixture i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Procs, TextResult, q, tree, wait_line
+from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, TextResult, q, tree, wait_line
 
-from singleflight.core import names
-from singleflight.core.const import MIN_LEASE_SECONDS, ExitCode
+from singleflight.core import identity, names
+from singleflight.core.const import ENV_IDENTITY, MIN_LEASE_SECONDS, ExitCode
 from singleflight.core.errors import BadValue
 
 USAGE = int(ExitCode.USAGE)
@@ -56,6 +58,113 @@ def test_pearing_guard_exec_with_an_empty_command_is_usage_even_with_a_live_toke
     assert wait_line(work / "guard.rc") == str(USAGE)
     err = (work / "guard.err").read_text().splitlines()
     assert len(err) == 1 and "CMD ''" in err[0] and "internal error" not in err[0], err
+
+
+# -- 2. the identity derived from the login ------------------------------------------------
+
+
+def _host() -> str:
+    """The host part a derived identity uses here."""
+    host = os.uname().nodename
+    try:
+        names.identity(host)
+    except BadValue:
+        return identity.FALLBACK_HOST
+    return host if "@" not in host else identity.FALLBACK_HOST
+
+
+FALLBACK = f"uid{os.geteuid()}@{_host()}"
+
+
+def _outside(tmp_path: Path, lock_dir: Path) -> set[str]:
+    """Everything under tmp_path that is neither the lock dir nor the test's work dir."""
+    keep = {lock_dir.name, "work"}
+    return {p for p in tree(tmp_path) if p.split(os.sep)[0] not in keep}
+
+
+HOSTILE_USERS = ["../../../../tmp/evil", "../../evil", "a\nb", "-rf", "a/b", "a@b", "x" * 200, "\u212aelvin", "a b"]
+
+
+def _login_env(env: dict[str, str], user: str | None, logname: str | None = None) -> dict[str, str]:
+    e = {k: v for k, v in env.items() if k not in ("USER", "LOGNAME", ENV_IDENTITY)}
+    if user is not None:
+        e["USER"] = user
+    if logname is not None:
+        e["LOGNAME"] = logname
+    return e
+
+
+@pytest.mark.parametrize("user", HOSTILE_USERS, ids=lambda u: repr(u)[:24])
+def test_a_hostile_user_falls_back_to_the_uid_and_writes_only_in_the_lock_dir(
+    work_procs: Procs, tmp_path: Path, lock_dir: Path, work: Path, user: str
+) -> None:
+    env = _login_env(work_procs.env, user, user)
+
+    r = work_procs.run_text([PEARING_CLI, "update-user-activity", "--activity", "checking in"], env=env)
+    assert r.returncode == 0, r
+    assert r.json == {"identity": FALLBACK, "activity": "checking in"}
+    assert sorted(os.listdir(lock_dir / "activity")) == [FALLBACK]
+
+    gate = Gate(work)
+    script = f"{q(PEARING_CLI)} get-lock-ticket > ticket.json; {gate.script()}"
+    run = work_procs.start([PEARING_RUN, "--job", "j", "--", "sh", "-c", script], env=env)
+    gate.wait_ready()
+    ticket = json.loads((work / "ticket.json").read_text())
+    assert (ticket["identity"], ticket["activity"]) == (FALLBACK, "checking in")
+
+    status = work_procs.run_text([PEARING_CLI, "status", "j"], env=env)
+    assert status.returncode == 0, status
+    (lock,) = status.json
+    assert (lock["holder"]["identity"], lock["holder"]["activity"]) == (FALLBACK, "checking in")
+
+    gate.open()
+    assert work_procs.finish(run).returncode == 0
+    assert _outside(tmp_path, lock_dir) == set()
+    for path in tree(lock_dir):
+        assert ".." not in Path(path).parts and "\n" not in path, path
+
+
+def test_a_bad_user_is_not_replaced_by_logname_but_an_empty_one_is(procs: Procs) -> None:
+    def who(env: dict[str, str]) -> Any:
+        r = procs.run_text([PEARING_CLI, "update-user-activity", "--clear"], env=env)
+        assert r.returncode == 0, r
+        return r.json["identity"]
+
+    assert who(_login_env(procs.env, "../x", "alice")) == FALLBACK
+    assert who(_login_env(procs.env, "", "alice")) == f"alice@{_host()}"
+    assert who(_login_env(procs.env, "bob", "alice")) == f"bob@{_host()}"
+
+
+@pytest.mark.parametrize("bad", ["../x", "a\nb", "-x", ""])
+def test_an_explicit_bad_identity_is_still_usage(procs: Procs, tmp_path: Path, lock_dir: Path, bad: str) -> None:
+    env = {**_login_env(procs.env, "alice"), ENV_IDENTITY: bad}
+    r = procs.run_text([PEARING_CLI, "update-user-activity", "--activity", "x"], env=env)
+    _one_usage_line(r, "identity", repr(bad))
+    r = procs.run_text([PEARING_RUN, "--job", "j", "--identity", bad, "--", "true"], env=_login_env(procs.env, "alice"))
+    _one_usage_line(r, "identity", repr(bad))
+    assert _outside(tmp_path, lock_dir) == set()
+    assert not (lock_dir / "activity").exists() or os.listdir(lock_dir / "activity") == []
+
+
+@pytest.mark.parametrize("nodename", ["", "(none)", "a@b", "-x", "h" * 200, "h\nx"])
+def test_a_bad_hostname_falls_back_to_localhost(monkeypatch: pytest.MonkeyPatch, nodename: str) -> None:
+    real = os.uname()
+    fake = os.uname_result((real.sysname, nodename, real.release, real.version, real.machine))
+    monkeypatch.setattr(os, "uname", lambda: fake)
+    monkeypatch.delenv(ENV_IDENTITY, raising=False)
+    monkeypatch.setenv("USER", "alice")
+    assert identity.resolve() == "alice@localhost"
+    monkeypatch.setenv("USER", "../alice")
+    assert identity.resolve() == f"uid{os.geteuid()}@localhost"
+
+
+def test_a_long_user_that_fits_alone_but_not_with_the_host_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_IDENTITY, raising=False)
+    host = _host()
+    monkeypatch.setenv("USER", "u" * (128 - len(host) - 1))
+    assert identity.resolve() == "u" * (128 - len(host) - 1) + "@" + host
+    monkeypatch.setenv("USER", "u" * (128 - len(host)))
+    assert identity.resolve() == FALLBACK
 
 
 # -- 4. one grammar for numbers ------------------------------------------------------------
