@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, TextResult, q, tree, wait_line
 
+from singleflight.cli._table import printable, render
 from singleflight.core import identity, names
 from singleflight.core.const import ENV_IDENTITY, MIN_LEASE_SECONDS, ExitCode
 from singleflight.core.errors import BadValue
@@ -165,6 +170,95 @@ def test_a_long_user_that_fits_alone_but_not_with_the_host_falls_back(monkeypatc
     assert identity.resolve() == "u" * (128 - len(host) - 1) + "@" + host
     monkeypatch.setenv("USER", "u" * (128 - len(host)))
     assert identity.resolve() == FALLBACK
+
+
+# -- 3. control characters in the status table ---------------------------------------------
+
+NASTY = "\x1b]0;pwned\x07\x1b[2J\rFORGED  row\n\tnext\x9b31m\x85\u202eevil\u2028\x00end\\n"
+
+
+def _lock(activity: str | None, ident: str = "codex") -> dict[str, Any]:
+    holder = {"identity": ident, "lease_left": 12.0, "activity": activity}
+    return {"lock_name": "j", "repo": "default", "state": "held", "fence": 3, "holder": holder, "waiters": []}
+
+
+def test_printable_escapes_every_non_printable_character() -> None:
+    shown = printable(NASTY)
+    assert shown == ("\\x1b]0;pwned\\x07\\x1b[2J\\rFORGED  row\\n\\tnext\\x9b31m\\x85\\u202eevil\\u2028\\x00end\\n")
+    assert shown.isprintable()
+    assert (
+        printable("caf\u00e9 \u2014 \u65e5\u672c, a\\b") == "caf\u00e9 \u2014 \u65e5\u672c, a\\b"
+    )  # printable text is kept
+
+
+def test_render_cannot_be_made_to_forge_rows_or_send_escapes() -> None:
+    out = render([_lock(NASTY, ident="co\x1bdex"), _lock("plain text, ok")])
+    lines = out.split("\n")[:-1]
+    assert len(lines) == 3, out  # the header and one row per lock: nothing forged
+    assert all(line.isprintable() for line in lines), out
+    row = lines[1]
+    assert "co\\x1bdex" in row
+    start = row.index("\\x1b]0;pwned\\x07\\x1b[2J\\rFORGED")
+    assert len(row) - start == 60  # the activity column keeps its width, escapes counted
+    assert lines[2].endswith("plain text, ok")
+
+
+def test_status_on_a_terminal_escapes_activity_and_json_keeps_it(work_procs: Procs, work: Path, lock_dir: Path) -> None:
+    env = {**work_procs.env, ENV_IDENTITY: "codex"}
+    activity = NASTY.replace("\x00", "")  # argv cannot carry NUL
+    r = work_procs.run_text([PEARING_CLI, "update-user-activity", "--activity", activity], env=env)
+    assert r.returncode == 0, r
+    gate = Gate(work)
+    run = work_procs.start([PEARING_RUN, "--job", "j", "--", "sh", "-c", gate.script()], env=env)
+    gate.wait_ready()
+
+    out = _tty_output([PEARING_CLI, "status"], env)
+    text = out.decode()
+    lines = text.replace("\r\n", "\n").splitlines()
+    assert len(lines) == 2, text  # header + the one lock
+    assert b"\x1b" not in out and b"\x07" not in out and b"\r" not in out.replace(b"\r\n", b"")
+    assert all(c.isprintable() for line in lines for c in line), text
+    assert "\\x1b]0;pwned\\x07" in lines[1] and "codex" in lines[1]
+
+    as_json = work_procs.run_text([PEARING_CLI, "status", "j"], env=env)
+    (lock,) = as_json.json
+    assert lock["holder"]["activity"] == activity  # JSON is the raw text
+
+    gate.open()
+    assert work_procs.finish(run).returncode == 0
+    assert lock_dir.exists()
+
+
+def _tty_output(argv: list[str], env: dict[str, str], timeout: float = 15.0) -> bytes:
+    """Run argv with stdout on a pseudo-terminal and return everything it wrote, up to EOF."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"{argv} did not finish: {b''.join(chunks)!r}")
+            if not select.select([leader], [], [], remaining)[0]:
+                continue
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if p.stderr is not None:
+            p.stderr.close()
+        os.close(leader)
+    return b"".join(chunks)
 
 
 # -- 4. one grammar for numbers ------------------------------------------------------------
