@@ -19,11 +19,16 @@ _HEX: Final = frozenset("0123456789abcdef")
 _DIGITS: Final = frozenset("0123456789")
 MAX_LOCK_NAME: Final = 128
 MAX_SCOPE: Final = 200
+# The same rules as regular expressions, for messages and the MCP input schemas.
+LOCK_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SCOPE_PATTERN: Final = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"  # and no '.' or '..' segment
+IDENTITY_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._@+:-]{0,127}$"
+UUID_PATTERN: Final = r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$"
 
 
 def lock_name(value: str, what: str = "lock name") -> str:
     if not (1 <= len(value) <= MAX_LOCK_NAME and value[0] in _ALNUM and set(value) <= _NAME_CHARS):
-        raise BadValue(what, value, "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+        raise BadValue(what, value, f"must match {LOCK_NAME_PATTERN}")
     return value
 
 
@@ -38,7 +43,7 @@ def scope(value: str, what: str = "scope") -> str:
 
 def identity(value: str) -> str:
     if not (1 <= len(value) <= 128 and value[0] in _ALNUM and set(value) <= _IDENTITY_CHARS):
-        raise BadValue("identity", value, "must match ^[A-Za-z0-9][A-Za-z0-9._@+:-]{0,127}$")
+        raise BadValue("identity", value, f"must match {IDENTITY_PATTERN}")
     return value
 
 
