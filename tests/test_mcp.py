@@ -26,7 +26,7 @@ from etcd_cluster import Cluster
 from helpers import BIN_DIR, pid_alive
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from singleflight.core.const import ExitCode
+from singleflight.core.const import MIN_LEASE_SECONDS, ExitCode
 
 PEARING_MCP = os.path.join(BIN_DIR, "pearing-mcp")
 TOOLS = {
@@ -326,7 +326,7 @@ async def test_a_retry_of_a_waiting_request_may_wait_again(tmp_path: Path, agent
 async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: Path, agents: set[int]) -> None:
     async with serve(tmp_path, agents) as c:
         message = await c.error("acquire_lock", **{**SEED, "lock_name": "../x", "request_uuid": str(uuid.uuid4())})
-        assert "'../x'" in message and "lock name" in message
+        assert "'../x'" in message and "lock_name" in message  # the input schema's pattern
 
         held = await c.acquire()  # the same session still works
         assert held["state"] == "held" and held["fence"] == 1
@@ -334,13 +334,13 @@ async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: P
 
         cases: list[tuple[str, dict[str, Any], list[str]]] = [
             ("acquire_lock", {**SEED, "repo": "../etc", "request_uuid": str(uuid.uuid4())}, ["scope", "'../etc'"]),
-            ("acquire_lock", {**SEED, "repo": "/abs", "request_uuid": str(uuid.uuid4())}, ["scope", "'/abs'"]),
-            ("acquire_lock", {**SEED, "request_uuid": "not-a-uuid"}, ["request uuid", "'not-a-uuid'"]),
+            ("acquire_lock", {**SEED, "repo": "/abs", "request_uuid": str(uuid.uuid4())}, ["repo", "'/abs'"]),
+            ("acquire_lock", {**SEED, "request_uuid": "not-a-uuid"}, ["request_uuid", "'not-a-uuid'"]),
             ("acquire_lock", {**SEED, "request_uuid": str(uuid.uuid4()), "lease_seconds": 0}, ["lease_seconds"]),
             ("acquire_lock", {**SEED, "request_uuid": str(uuid.uuid4()), "wait_seconds": -1}, ["wait_seconds"]),
             ("acquire_lock", {**SEED, "request_uuid": str(uuid.uuid4()), "lease_seconds": "soon"}, ["lease_seconds"]),
             ("acquire_lock", {"lock_name": "x"}, ["request_uuid"]),
-            ("get_lock_ticket", {**ref, "ticket_id": "nope"}, ["ticket id", "'nope'"]),
+            ("get_lock_ticket", {**ref, "ticket_id": "nope"}, ["ticket_id", "'nope'"]),
             ("get_lock_ticket", {**ref, "ticket_id": (unknown := str(uuid.uuid4()))}, [unknown, "unknown ticket"]),
             ("get_lock_ticket", {**ref, "lock_name": "other", "ticket_id": unknown}, ["'other'"]),
             ("heartbeat_lock_ticket", {**ref, "ticket_id": held["ticket_id"], "lease_seconds": -5}, ["lease_seconds"]),
@@ -369,6 +369,81 @@ async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: P
     # Nothing was created outside the lock dir, and the server logged no crash.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lockdir", "server.stderr"]
     assert not (tmp_path / "lockdir" / "locks" / "default").exists()
+    assert "Traceback" not in (tmp_path / "server.stderr").read_text()
+
+
+async def test_input_schemas_carry_the_validation(tmp_path: Path, agents: set[int]) -> None:
+    async with serve(tmp_path, agents) as c:
+        tools = {t.name: t.input_schema for t in (await c.session.list_tools()).tools}
+    uuid_pattern = "^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$"
+    for name, schema in tools.items():
+        assert schema["additionalProperties"] is False, name
+        props = schema["properties"]
+        if "repo" in props:
+            assert props["repo"]["maxLength"] == 200 and props["repo"]["minLength"] == 1, name
+            assert props["repo"]["type"] == "string" and props["repo"]["pattern"], name
+        if "lock_name" in props:
+            lock = next((s for s in props["lock_name"].get("anyOf", []) if s["type"] == "string"), props["lock_name"])
+            assert lock["pattern"] == "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$" and lock["maxLength"] == 128, name
+        for key in ("request_uuid", "ticket_id"):
+            if key in props:
+                assert props[key]["pattern"] == uuid_pattern, (name, key)
+        if "lease_seconds" in props:
+            lease = props["lease_seconds"]
+            assert lease["type"] == "number" and lease["minimum"] == MIN_LEASE_SECONDS, name
+            assert lease["maximum"] == 10 * 365 * 86400, name
+    wait = tools["acquire_lock"]["properties"]["wait_seconds"]
+    assert wait["type"] == "number" and wait["minimum"] == 0
+    (activity,) = [s for s in tools["update_user_activity"]["properties"]["activity"]["anyOf"] if s["type"] == "string"]
+    assert activity["maxLength"] == 1000 and activity["minLength"] == 1
+    assert tools["update_user_activity"]["properties"]["clear"]["type"] == "boolean"
+    assert tools["verify_token"]["properties"]["token_file"]["minLength"] == 1
+
+
+async def test_wrong_types_unknown_and_overlong_arguments_are_tool_errors(tmp_path: Path, agents: set[int]) -> None:
+    async with serve(tmp_path, agents) as c:
+        held = await c.acquire()
+        ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"], "ticket_id": held["ticket_id"]}
+        fresh = {**SEED, "lock_name": "other", "request_uuid": str(uuid.uuid4()), "wait_seconds": 0}
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("acquire_lock", {**fresh, "lease_seconds": True}, "lease_seconds"),
+            ("acquire_lock", {**fresh, "lease_seconds": "60"}, "lease_seconds"),
+            ("acquire_lock", {**fresh, "lease_seconds": 0.4}, "lease_seconds"),
+            ("acquire_lock", {**fresh, "lease_seconds": 1e-300}, "lease_seconds"),
+            ("acquire_lock", {**fresh, "lease_seconds": 1e12}, "lease_seconds"),
+            ("acquire_lock", {**fresh, "wait_seconds": False}, "wait_seconds"),
+            ("acquire_lock", {**fresh, "wait_seconds": "0"}, "wait_seconds"),
+            ("acquire_lock", {**fresh, "lease_second": 5}, "lease_second"),  # a typo is not ignored
+            ("acquire_lock", {**fresh, "lock_name": "a" * 129}, "lock_name"),
+            ("acquire_lock", {**fresh, "repo": "r" * 201}, "repo"),
+            ("acquire_lock", {**fresh, "lock_name": 42}, "lock_name"),
+            ("acquire_lock", {**fresh, "request_uuid": "{" + str(uuid.uuid4()) + "}"}, "request_uuid"),
+            ("heartbeat_lock_ticket", {**ref, "lease_seconds": True}, "lease_seconds"),
+            ("heartbeat_lock_ticket", {**ref, "lease_seconds": "120"}, "lease_seconds"),
+            ("heartbeat_lock_ticket", {**ref, "lease_seconds": 0.1}, "lease_seconds"),
+            ("get_lock_ticket", {**ref, "extra": 1}, "extra"),
+            ("release_lock_ticket", {**ref, "force": True}, "force"),
+            ("update_user_activity", {"activity": "x" * 1001}, "activity"),
+            ("update_user_activity", {"clear": "true"}, "clear"),
+            ("update_user_activity", {"clear": 1}, "clear"),
+            ("list_locks", {"lock_name": "a" * 129}, "lock_name"),
+            ("list_locks", {"scope": "default"}, "scope"),
+            ("verify_token", {"token_file": held["token_file"], "token": "x"}, "token"),
+        ]
+        for tool, arguments, needle in cases:
+            message = await c.error(tool, **arguments)
+            # Refused by the input schema, for that one argument and nothing else.
+            assert "1 validation error" in message and needle in message, (tool, arguments, message)
+
+        # The session goes on, and nothing was taken or changed by the refused calls.
+        got = await c.call("get_lock_ticket", **ref)
+        assert (got["state"], got["fence"]) == ("held", 1)
+        assert got["lease_expires_at"] == held["lease_expires_at"]  # no refused heartbeat renewed it
+        locks = await c.call("list_locks", repo=SEED["repo"])
+        assert [lk["lock_name"] for lk in locks] == [SEED["lock_name"]]
+        assert (await c.call("heartbeat_lock_ticket", **ref, lease_seconds=MIN_LEASE_SECONDS + 60))["state"] == "held"
+        assert (await c.call("update_user_activity", activity="a" * 1000))["activity"] == "a" * 1000
+        assert (await c.call("update_user_activity", clear=True))["activity"] is None
     assert "Traceback" not in (tmp_path / "server.stderr").read_text()
 
 

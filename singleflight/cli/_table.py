@@ -4,25 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
+ACTIVITY_WIDTH = 60
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped the way ``repr`` writes it.
+
+    Activity text (and, from etcd, a foreign holder's key) is anybody's text. Printed raw,
+    ESC and the C1 controls (U+0080-U+009F: a lone U+009B is a CSI on many terminals) can set
+    the window title, clear the screen or move the cursor; a newline or CR can forge a row;
+    bidi overrides (U+202E) can reorder it. ``str.isprintable`` is false for all of these
+    (Unicode categories Cc, Cf, Cs, Co, Cn, Zl, Zp, and every space but ' '), so each
+    becomes ``\\x1b``, ``\\n``, ``\\t``, ``\\x9b``, ``\\u202e``... A backslash stays as it
+    is: the table is for reading, ``--json`` gives the exact text.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 def render(locks: list[dict[str, Any]]) -> str:
     header = ("LOCK", "REPO", "STATE", "IDENTITY", "FENCE", "LEASE LEFT", "WAITERS", "ACTIVITY")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for lk in locks:
         h = lk["holder"] or {}
         left = h.get("lease_left")
-        rows.append(
-            (
-                lk["lock_name"],
-                lk["repo"],
-                lk["state"],
-                h.get("identity") or "-",
-                str(lk["fence"]),
-                "-" if left is None else f"{left:.1f}s",
-                str(len(lk["waiters"])),
-                (h.get("activity") or "-")[:60],
-            )
+        cells = (
+            str(lk["lock_name"]),
+            str(lk["repo"]),
+            str(lk["state"]),
+            str(h.get("identity") or "-"),
+            str(lk["fence"]),
+            "-" if left is None else f"{left:.1f}s",
+            str(len(lk["waiters"])),
+            printable(str(h.get("activity") or "-"))[:ACTIVITY_WIDTH],
         )
+        # Every cell, not just activity: names are validated on the way in, but a record
+        # read back (or a foreign etcd key) is not proof of that.
+        rows.append(tuple(printable(c) for c in cells))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not locks:

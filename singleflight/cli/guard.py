@@ -19,7 +19,7 @@ from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
-from singleflight.core.errors import PearingError, UsageError
+from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
 
 PROG = "pearing-guard"
@@ -67,8 +67,11 @@ def cmd_exec(argv: list[str], log: Log) -> int:
         return _help(EXEC, "exec [--max-seconds S] [--token-file F] -- CMD [ARG...]")
     if not command:
         raise UsageError("no CMD given (put it after --)")
+    if not command[0]:
+        raise BadValue("CMD", command[0], "must name a program, not be empty")
+    given = values.get("max_seconds")  # "--max-seconds=" is a bad number, not the default
     max_seconds = names.seconds(
-        str(values.get("max_seconds") or DEFAULT_GUARD_MAX_SECONDS), "--max-seconds", allow_zero=False
+        DEFAULT_GUARD_MAX_SECONDS if given is None else str(given), "--max-seconds", allow_zero=False
     )
     token_file = values.get("token_file")
     try:

@@ -24,13 +24,22 @@ from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import identity, names
-from singleflight.core.const import DEFAULT_LEASE_SECONDS, DEFAULT_SCOPE, ENV_BACKEND, ENV_LOCK_DIR, ExitCode
+from singleflight.core.const import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_SCOPE,
+    ENV_BACKEND,
+    ENV_LOCK_DIR,
+    MAX_SECONDS,
+    MIN_LEASE_SECONDS,
+    ExitCode,
+)
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.tools import Tool
 
 PROG = "pearing-mcp"
 SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--backend URL] [--version]"
@@ -42,6 +51,7 @@ OPTIONS = [
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
 ]
 MAX_ACTIVITY = 1000
+MAX_PATH = 4096  # PATH_MAX on Linux
 
 _T = TypeVar("_T")
 
@@ -128,7 +138,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
     from mcp.types import CallToolResult, TextContent
-    from pydantic import Field
+    from pydantic import Field, Strict
 
     async def run(work: Callable[..., _T], *args: Any) -> _T:
         # The backend blocks (acquire up to wait_seconds): a worker thread keeps the
@@ -139,63 +149,99 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             # A ToolError is the SDK's anticipated failure: is_error=True with this text.
             raise ToolError(str(exc)) from exc
 
-    Repo = Annotated[str, Field(description="Scope of lock names, e.g. teams/platform/website.")]
-    LockName = Annotated[str, Field(description="Lock name, e.g. thread-work.42 for thread #42.")]
-    TicketId = Annotated[str, Field(description="Ticket id returned by acquire_lock.")]
-    Lease = Annotated[float, Field(description="Lease length in seconds; heartbeat within it or lose the lock.")]
-
-    server: MCPServer[Any] = MCPServer(
-        name=PROG,
-        version=__version__,
-        # Quiet like the other front ends: a refused call is the caller's answer, not a log line.
-        log_level="WARNING",
-        instructions=(
-            "Single-flight locks: acquire_lock before a contested step, heartbeat while working, "
-            "release_lock_ticket when done. A ticket in state 'waiting' keeps its FIFO place while "
-            "you retry acquire_lock with the same request_uuid or heartbeat it."
+    # The input schemas carry the rules of singleflight.core.names, so a client sees them in
+    # tools/list and the SDK refuses a bad call before it runs; the tools check again (a
+    # '..' segment, say, is beyond a JSON-schema pattern without lookahead). Strict(): a
+    # number is a JSON number, never true or "60" (pydantic's lax mode takes both).
+    Repo = Annotated[
+        str,
+        Strict(),
+        Field(
+            min_length=1,
+            max_length=names.MAX_SCOPE,
+            pattern=names.SCOPE_PATTERN,
+            description="Scope of lock names, e.g. teams/platform/website.",
         ),
-    )
+    ]
+    LockName = Annotated[
+        str,
+        Strict(),
+        Field(
+            max_length=names.MAX_LOCK_NAME,
+            pattern=names.LOCK_NAME_PATTERN,
+            description="Lock name, e.g. thread-work.42 for thread #42.",
+        ),
+    ]
+    TicketId = Annotated[
+        str, Strict(), Field(pattern=names.UUID_PATTERN, description="Ticket id returned by acquire_lock.")
+    ]
+    Lease = Annotated[
+        float,
+        Strict(),
+        Field(
+            ge=MIN_LEASE_SECONDS,
+            le=MAX_SECONDS,
+            allow_inf_nan=False,
+            description="Lease length in seconds; heartbeat within it or lose the lock.",
+        ),
+    ]
 
-    @server.tool(description="Take a lock or queue for it in FIFO order; returns the ticket, held or waiting.")
     async def acquire_lock(
         repo: Repo = DEFAULT_SCOPE,
         *,
         lock_name: LockName,
         request_uuid: Annotated[
-            str, Field(description="Idempotency key: reuse it for every retry of this one acquisition.")
+            str,
+            Strict(),
+            Field(
+                pattern=names.UUID_PATTERN,
+                description="Idempotency key: reuse it for every retry of this one acquisition.",
+            ),
         ],
         lease_seconds: Lease = DEFAULT_LEASE_SECONDS,
         wait_seconds: Annotated[
-            float, Field(description="Wait in line up to this many seconds; 0 returns at once.")
+            float,
+            Strict(),
+            Field(
+                ge=0,
+                le=MAX_SECONDS,
+                allow_inf_nan=False,
+                description="Wait in line up to this many seconds; 0 returns at once.",
+            ),
         ] = 0.0,
     ) -> dict[str, Any]:
         return await run(ops.acquire, repo, lock_name, request_uuid, lease_seconds, wait_seconds)
 
-    @server.tool(description="Show one ticket: state, fence, lease expiry, holder, queue position.")
     async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
         return await run(ops.get, repo, lock_name, ticket_id)
 
-    @server.tool(description="Renew the lease of a held or waiting ticket; an error means you lost it: stop.")
     async def heartbeat_lock_ticket(
         repo: Repo, lock_name: LockName, ticket_id: TicketId, lease_seconds: Lease = DEFAULT_LEASE_SECONDS
     ) -> dict[str, Any]:
         return await run(ops.heartbeat, repo, lock_name, ticket_id, lease_seconds)
 
-    @server.tool(description="Release a held ticket or leave the queue; idempotent.")
     async def release_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
         return await run(ops.release, repo, lock_name, ticket_id)
 
-    @server.tool(description="Set (activity) or clear (clear=true) what this identity is doing, shown on its tickets.")
     async def update_user_activity(
-        activity: Annotated[str | None, Field(description="What you are doing, 1 to 1000 characters.")] = None,
-        clear: Annotated[bool, Field(description="Clear the activity instead.")] = False,
+        activity: Annotated[
+            str,
+            Strict(),
+            Field(min_length=1, max_length=MAX_ACTIVITY, description="What you are doing, 1 to 1000 characters."),
+        ]
+        | None = None,
+        clear: Annotated[bool, Strict(), Field(description="Clear the activity instead.")] = False,
     ) -> dict[str, Any]:
         return await run(ops.update_activity, activity, clear)
 
-    @server.tool(description="Who holds what in a scope: holder, fence, lease left, waiters in order.")
     async def list_locks(
         repo: Repo = DEFAULT_SCOPE,
-        lock_name: Annotated[str | None, Field(description="Only this lock.")] = None,
+        lock_name: Annotated[
+            str,
+            Strict(),
+            Field(max_length=names.MAX_LOCK_NAME, pattern=names.LOCK_NAME_PATTERN, description="Only this lock."),
+        ]
+        | None = None,
     ) -> Annotated[CallToolResult, list[dict[str, Any]]]:
         locks = await run(ops.status, repo, lock_name)
         # One JSON list, as pearing-cli status prints it (the SDK's default splits a list
@@ -205,13 +251,68 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             structured_content={"result": locks},
         )
 
-    @server.tool(description="Whether a token file belongs to the live holder of its lock right now (ok, reason).")
     async def verify_token(
-        token_file: Annotated[str, Field(description="Path of the token file (token_file of a held ticket).")],
+        token_file: Annotated[
+            str,
+            Strict(),
+            Field(
+                min_length=1,
+                max_length=MAX_PATH,
+                description="Path of the token file (token_file of a held ticket).",
+            ),
+        ],
     ) -> dict[str, Any]:
         return await run(ops.verify, token_file)
 
-    return server
+    tools: list[tuple[Callable[..., Any], str]] = [
+        (acquire_lock, "Take a lock or queue for it in FIFO order; returns the ticket, held or waiting."),
+        (get_lock_ticket, "Show one ticket: state, fence, lease expiry, holder, queue position."),
+        (heartbeat_lock_ticket, "Renew the lease of a held or waiting ticket; an error means you lost it: stop."),
+        (release_lock_ticket, "Release a held ticket or leave the queue; idempotent."),
+        (
+            update_user_activity,
+            "Set (activity) or clear (clear=true) what this identity is doing, shown on its tickets.",
+        ),
+        (list_locks, "Who holds what in a scope: holder, fence, lease left, waiters in order."),
+        (verify_token, "Whether a token file belongs to the live holder of its lock right now (ok, reason)."),
+    ]
+    return MCPServer(
+        name=PROG,
+        version=__version__,
+        # Quiet like the other front ends: a refused call is the caller's answer, not a log line.
+        log_level="WARNING",
+        instructions=(
+            "Single-flight locks: acquire_lock before a contested step, heartbeat while working, "
+            "release_lock_ticket when done. A ticket in state 'waiting' keeps its FIFO place while "
+            "you retry acquire_lock with the same request_uuid or heartbeat it."
+        ),
+        tools=[_closed_tool(fn, description) for fn, description in tools],
+    )
+
+
+def _closed_tool(fn: Callable[..., Any], description: str) -> "Tool":
+    """The SDK's Tool for ``fn``, refusing arguments it does not name.
+
+    MCPServer builds each tool's arguments model on ``ArgModelBase``, whose pydantic config
+    keeps the default ``extra="ignore"``: a misspelt ``lease_second`` would be dropped and the
+    call would run with the default lease. No option turns that off per tool
+    (modelcontextprotocol/python-sdk#3067), so the generated model is subclassed with
+    ``extra="forbid"``, and the published schema is rebuilt from it (``additionalProperties:
+    false``). Both are public fields the SDK reads on every call (FuncMetadata documents its
+    fields as read live), and ``MCPServer(tools=...)`` takes ready-made tools.
+    """
+    import types
+
+    from mcp.server.mcpserver.tools import Tool
+    from pydantic import BaseModel, ConfigDict
+
+    tool = Tool.from_function(fn, description=description)
+    loose = tool.fn_metadata.arg_model
+    closed: type[BaseModel] = types.new_class(
+        loose.__name__, (loose,), exec_body=lambda ns: ns.update(model_config=ConfigDict(extra="forbid"))
+    )
+    metadata = tool.fn_metadata.model_copy(update={"arg_model": closed})
+    return tool.model_copy(update={"fn_metadata": metadata, "parameters": closed.model_json_schema(by_alias=True)})
 
 
 def main(argv: list[str] | None = None) -> int:

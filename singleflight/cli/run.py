@@ -78,6 +78,8 @@ def build_options(argv: list[str]) -> RunOptions:
         raise UsageError("--job NAME is required")
     if not command:
         raise UsageError("no COMMAND given (put it after --)")
+    if not command[0]:
+        raise BadValue("COMMAND", command[0], "must name a program, not be empty")
     heartbeat = _opt(values, "heartbeat", "auto")
     if heartbeat not in ("auto", "manual"):
         raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
@@ -93,7 +95,7 @@ def build_options(argv: list[str]) -> RunOptions:
     return RunOptions(
         job=names.lock_name(job, "--job"),
         repo=names.scope(_opt(values, "repo", DEFAULT_SCOPE), "--repo scope"),
-        lease_seconds=names.seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS), "--lease-seconds", allow_zero=False),
+        lease_seconds=names.lease_seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS)),
         wait_seconds=names.seconds(_opt(values, "wait", 0), "--wait-seconds"),
         heartbeat_auto=heartbeat == "auto",
         max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),

@@ -40,6 +40,13 @@ DEFAULT_LEASE_SECONDS: Final = 60.0
 DEFAULT_KILL_GRACE: Final = 10.0
 DEFAULT_DEDUPE_WINDOW: Final = 24 * 3600.0
 DEFAULT_GUARD_MAX_SECONDS: Final = 60.0
+# A shorter lease cannot be renewed in time: the holder renews every third of it, and a
+# CLI heartbeat or an MCP round trip takes tens of milliseconds.
+MIN_LEASE_SECONDS: Final = 0.5
+# Every duration a user gives is at most ten years: timers must honour what validation accepts.
+MAX_SECONDS: Final = 10 * 365 * 86400.0
+# Fences are etcd revisions on the etcd backend, which are int64.
+MAX_FENCE: Final = 2**63 - 1
 ROOT_LOCK_DIR: Final = "/var/lib/pearing"
 # Ended tickets stay readable (get-lock-ticket, idempotent release) this long.
 ENDED_TICKET_RETENTION: Final = 3600.0
