@@ -98,7 +98,7 @@ class Held:
         if self.lost is not None:
             raise LeaseLost(self.ticket_id, self.lost)
         lk = self._lock
-        seconds = lk.lease_seconds if lease_seconds is None else names.seconds(lease_seconds, "lease_seconds")
+        seconds = lk.lease_seconds if lease_seconds is None else names.lease_seconds(lease_seconds, "lease_seconds")
         b = open_backend(lk.backend, lk.lock_dir)
         try:
             ops.heartbeat(b, lk.name, lk.repo, self.ticket_id, seconds)
@@ -142,7 +142,7 @@ class Lock:
             self.request_uuid = keys.request_key_uuid(request_key, "request_key")
         else:
             self.request_uuid = names.request_uuid(request_uuid) if request_uuid is not None else new_uuid4()
-        self.lease_seconds = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
+        self.lease_seconds = names.lease_seconds(lease_seconds, "lease_seconds")
         self.wait_seconds = names.seconds(wait_seconds, "wait_seconds")
         if heartbeat not in ("auto", "manual"):
             raise UsageError(f"bad heartbeat {heartbeat!r}: must be auto or manual")

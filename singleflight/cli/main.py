@@ -124,7 +124,7 @@ def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of th
     if (request_uuid is None) == (request_key is None):
         raise UsageError("give exactly one of --request-uuid UUID or --request-key KEY")
     uuid = names.request_uuid(request_uuid) if request_uuid is not None else keys.request_key_uuid(request_key or "")
-    lease = names.seconds(lease_seconds, "--lease-seconds", allow_zero=False)
+    lease = names.lease_seconds(lease_seconds, "--lease-seconds")
     wait = names.seconds(wait_seconds, "--wait-seconds")
     who = identity.resolve(_state.identity)
     out, _ = ops.acquire(
@@ -152,7 +152,7 @@ def heartbeat_lock_ticket(
 ) -> None:
     """Renew the lease of a held (or waiting) ticket. Exit 1 if it is no longer live: stop."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
-    lease = names.seconds(lease_seconds, "--lease-seconds", allow_zero=False)
+    lease = names.lease_seconds(lease_seconds, "--lease-seconds")
     _emit(ops.heartbeat(_backend(), lock, scope, tid, lease))
 
 

@@ -89,7 +89,7 @@ class Ops:
     ) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
         uuid = names.request_uuid(request_uuid)
-        lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
+        lease = names.lease_seconds(lease_seconds, "lease_seconds")
         wait = names.seconds(wait_seconds, "wait_seconds")
         out, _ = self._call(
             lambda b: ops.acquire(
@@ -107,7 +107,7 @@ class Ops:
 
     def heartbeat(self, repo: str, lock_name: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
-        lease = names.seconds(lease_seconds, "lease_seconds", allow_zero=False)
+        lease = names.lease_seconds(lease_seconds, "lease_seconds")
         return self._call(lambda b: ops.heartbeat(b, lock, scope, ticket_id, lease))
 
     def release(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
