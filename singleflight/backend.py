@@ -34,13 +34,28 @@ ETCD_SCHEME = "etcd://"
 
 
 class Grip(Protocol):
-    """What an acquisition holds: the lock's fd (local) or the ticket's lease (etcd)."""
+    """What an acquisition holds: the lock's fd (local) or the ticket's lease (etcd).
+
+    The wrapper and its holder both have it. The lock is released only once COMMAND is
+    dead, whichever of the two dies or freezes first: the lock dir's flock lives while
+    either keeps its copy of the fd; an etcd lease is kept alive by both.
+    """
+
+    @property
+    def keep_every(self) -> float | None:
+        """How often ``keep`` must be called while COMMAND lives (None: never needed)."""
 
     def fds(self) -> set[int]:
         """The fds a forked holder must keep open (the rest are closed)."""
 
+    def keep(self) -> None:
+        """Keep the lock ours a while longer (an etcd keepalive); never raises."""
+
     def close(self) -> None:
-        """This process lets go; another copy of the grip (the holder's) may still hold."""
+        """This process lets go of its share; the holder's share may still hold the lock."""
+
+    def release(self) -> None:
+        """The holder is gone and COMMAND is dead: free the lock now."""
 
 
 class Place(Protocol):
@@ -77,7 +92,11 @@ class Lease(Protocol):
         its owner released it, else why it was lost."""
 
     def end(self, state: str, reason: str) -> None:
-        """The token stops being live (after in-flight guarded commands)."""
+        """The token stops being live (after in-flight guarded commands). The lock stays
+        ours until ``release``, so COMMAND can be stopped first."""
+
+    def keep(self) -> None:
+        """While COMMAND is being stopped: keep the lock ours a while longer; never raises."""
 
     def record_request(self, status: int | None, window: float) -> None: ...
 
@@ -134,7 +153,11 @@ class LockOps(Protocol):
     def waiting_deadline(self, ticket_id: str) -> float:
         """A waiting ticket's lease as heartbeats extend it (monotonic); 0 once it ended."""
 
-    def end(self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True) -> Ticket | None: ...
+    def end(
+        self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
+    ) -> Ticket | None:
+        """End a ticket (None if it had ended already). Without ``release`` only its token dies:
+        the lock stays taken until the grip is released (COMMAND is still being stopped)."""
 
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None: ...
 

@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from singleflight.core import fault, proc, protocol
@@ -238,14 +239,17 @@ class Holder:
         self._release_lock_and_exit()
 
     def _stop_command(self) -> None:
+        """SIGTERM, SIGKILL after the grace, and wait until the group is gone: only then may
+        the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive)."""
         if self.cmd_pid is None or not self.cfg.owned_by_wrapper:
             return
         if not self.cmd_done:
             _killpg(self.cmd_pid, signal.SIGTERM)
             if self.cmd_fd is not None:
-                select.select([self.cmd_fd], [], [], min(self.cfg.kill_grace, _MAX_SELECT_S))
+                wait_for_exit(self.cmd_fd, self.cfg.kill_grace, self.lease.keep)
         # Whatever is left of the group (the leader or its children) may not go on.
         _killpg(self.cmd_pid, signal.SIGKILL)
+        wait_for_group(self.cmd_pid, self.lease.keep)
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:
@@ -256,6 +260,36 @@ class Holder:
             self.lease.housekeeping()
         finally:
             os._exit(0)
+
+
+# How often the lock is kept while COMMAND is being stopped (an etcd lease's keepalive).
+_KEEP_EVERY = 0.5
+# After SIGKILL a group is gone in moments; a process stuck in the kernel (D state) runs
+# no user code again, so the lock is not held hostage to it for longer than this.
+_GROUP_GONE_WITHIN = 10.0
+
+
+def wait_for_exit(pidfd: int, seconds: float, keep: Callable[[], None]) -> bool:
+    """Wait for the process behind ``pidfd`` to exit, at most ``seconds``, calling ``keep`` meanwhile."""
+    deadline = time.monotonic() + min(seconds, _MAX_SELECT_S)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if select.select([pidfd], [], [], min(left, _KEEP_EVERY))[0]:
+            return True
+        keep()
+
+
+def wait_for_group(pgid: int, keep: Callable[[], None]) -> None:
+    """After SIGKILL: until no member of the group is left (zombies do not count)."""
+    deadline = time.monotonic() + _GROUP_GONE_WITHIN
+    kept = time.monotonic()
+    while proc.group_alive(pgid) and time.monotonic() < deadline:
+        if time.monotonic() - kept >= _KEEP_EVERY:
+            keep()
+            kept = time.monotonic()
+        time.sleep(0.005)
 
 
 def _ignore(signum: int, frame: object) -> None:

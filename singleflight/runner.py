@@ -420,9 +420,18 @@ class Runner:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
         poller.register(chan.rfd, select.POLLIN)
+        # An etcd lease is kept alive by the wrapper too: a holder frozen (SIGSTOP, a swap
+        # storm) must not let the lease lapse into a second COMMAND while ours runs.
+        # With --heartbeat manual the lease's own expiry still carries COMMAND's heartbeats
+        # on etcd, so only the holder may renew it there.
+        every = self.grip.keep_every if self.grip is not None and self.o.heartbeat_auto else None
+        timeout = None if every is None else int(every * 1000)
         try:
             while True:
-                for fd, _ev in poller.poll():
+                events = poller.poll(timeout)
+                if not events and self.grip is not None:
+                    self.grip.keep()
+                for fd, _ev in events:
                     if fd == pidfd:
                         _, status = os.waitpid(pid, 0)
                         self.cmd_pid = None
@@ -448,20 +457,23 @@ class Runner:
         self._metric("lease_lost")
 
     def _holder_vanished(self, pid: int) -> None:
-        """The holder died (kill -9): the token is dead. Stop COMMAND; our grip keeps the lock meanwhile."""
-        import select
+        """The holder died (kill -9): the token dies first, then COMMAND is stopped; our grip
+        keeps the lock meanwhile and is released only once COMMAND's group is gone (_finish)."""
+        from singleflight.holder import wait_for_exit, wait_for_group
 
         self._lost("holder gone")
         with contextlib.suppress(PearingError):
-            self.lk.end(self.ticket.ticket_id, EXPIRED, "holder gone")
+            self.lk.end(self.ticket.ticket_id, EXPIRED, "holder gone", release=False)
             self.lk.remove_token_file(self.ticket.ticket_id)
+        keep = self.grip.keep if self.grip is not None else _nothing
         _killpg(pid, signal.SIGTERM)
         pidfd = os.pidfd_open(pid)
         try:
-            select.select([pidfd], [], [], min(self.o.kill_grace, 86400.0 * 365))
+            wait_for_exit(pidfd, self.o.kill_grace, keep)
         finally:
             os.close(pidfd)
         _killpg(pid, signal.SIGKILL)
+        wait_for_group(pid, keep)
 
     def _finish(self, chan: Channel, status: int, exit_code: int, *, ran: bool = True) -> int:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
@@ -478,6 +490,8 @@ class Runner:
         if msg is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.
             self._release_without_holder(status)
+        if msg is None and self.grip is not None:
+            self.grip.release()  # no holder to do it, and COMMAND is dead
         chan.close()
         _reap(self.holder_pid)
         if self.lost:
@@ -486,9 +500,9 @@ class Runner:
         return exit_code
 
     def _let_go(self) -> None:
+        """COMMAND is dead: our share of the lock goes; the holder's share hands it over."""
         if self.grip is not None:
             self.grip.close()
-            self.grip = None
 
     def _release_without_holder(self, status: int) -> None:
         tid = self.ticket.ticket_id
@@ -510,7 +524,8 @@ class Runner:
                 self.lk.end(tid, state, "holder gone", only_if_held=only_if_held)
         with contextlib.suppress(PearingError):
             self.lk.remove_token_file(tid)
-        self._let_go()
+        if self.grip is not None:
+            self.grip.release()
         if msg is not None and msg.kind == protocol.ERROR:
             self.log.error(msg.text)
             return int(msg.code)
@@ -535,6 +550,10 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip, cfg: HolderConfig, chan: C
         chan.send(protocol.error(ExitCode.SOFTWARE, f"internal error in holder (a bug): {exc!r}"))
         return ExitCode.SOFTWARE
     return ExitCode.OK
+
+
+def _nothing() -> None:
+    pass
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -251,8 +251,8 @@ def test_readme_cli_walkthrough_runs(procs: Procs) -> None:
 
 
 def test_readme_python_guard_example_runs(procs: Procs, work: Path) -> None:
-    """The Python API example, run inside a pearing-run with post_reply stubbed to record."""
-    (code,) = _blocks("python")
+    """The Python guard example, run inside a pearing-run with post_reply stubbed to record."""
+    code = next(b for b in _blocks("python") if "import guard" in b)
     script = work / "example.py"
     script.write_text(
         "import sys\nposted = []\ndef post_reply(**kw):\n    posted.append(kw)\n"
@@ -262,6 +262,20 @@ def test_readme_python_guard_example_runs(procs: Procs, work: Path) -> None:
     r = procs.pr_run("--job", "thread-work.42", "--", sys.executable, str(script))
     assert r.returncode == 0, r
     assert r.stdout.strip() == b"accepted 1"
+
+
+def test_readme_lock_example_runs(backend: str, procs: Procs, work: Path) -> None:
+    """The README's Lock example, as written, with post_reply stubbed to record its fence."""
+    code = next(b for b in _blocks("python") if "Lock(" in b)
+    script = work / "lock_example.py"
+    script.write_text(
+        "import json\nposted = []\nevent_id = 'evt_readme_1'\n"
+        "def post_reply():\n    posted.append(1)\n" + code + "\nassert posted == [1], posted\n"
+    )
+    r = procs.run([sys.executable, str(script)], timeout=60)
+    assert r.returncode == 0, r
+    fence, ticket, token_file, promoted = r.stdout.decode().split()
+    assert int(fence) >= 1 and promoted == "False" and token_file.endswith(f"{ticket}.token")
 
 
 def test_readme_mentions_every_exit_code_and_env_name() -> None:

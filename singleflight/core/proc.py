@@ -97,3 +97,28 @@ def ensure_std_fds() -> None:
             if null != fd:
                 os.dup2(null, fd, inheritable=True)
                 os.close(null)
+
+
+def group_alive(pgid: int) -> bool:
+    """Does process group ``pgid`` still have a member that is not a zombie?
+
+    Scans /proc (a rare path: after a SIGKILL of the group). killpg(pgid, 0) is not
+    enough: it succeeds for a group of zombies, which an init that does not reap
+    (some containers) leaves forever.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False

@@ -62,7 +62,7 @@ class EtcdPlace:
             # Keep our place: the waiting key's lease is renewed between watches.
             got = mutex.wait_turn(tid, min(end, time.monotonic() + step_len))
             if got is not None:
-                self.grip = EtcdGrip(self.lease, got)
+                self.grip = EtcdGrip(cluster, self.lease, got, ttl_of(self.ticket.lease_seconds))
                 return self.grip
             if cluster.get(mutex.q + tid) is None or cluster.keepalive(self.lease) <= 0:
                 return None
@@ -164,7 +164,7 @@ class EtcdLock:
         first = bool(kvs) and kvs[0]["key"] == mutex.q + ticket.ticket_id
         # First in line, once the previous holder's guarded side effects have landed.
         if first and mutex.wait_guards(time.monotonic()):
-            return EtcdPlace(self, ticket, lease, EtcdGrip(lease, kvs[0]))
+            return EtcdPlace(self, ticket, lease, EtcdGrip(self.cluster, lease, kvs[0], ttl_of(ticket.lease_seconds)))
         return EtcdPlace(self, ticket, lease, None)
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
@@ -247,16 +247,20 @@ class EtcdLock:
         left = self.cluster.ttl(kv["lease"])
         return time.monotonic() + left if left > 0 else 0.0
 
-    def end(self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True) -> Ticket | None:
+    def end(
+        self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
+    ) -> Ticket | None:
         found = self.mutex.ticket(ticket_id)
         if found is None:
             return None
         t, kv = found
         if kv is None:
             return None
-        if only_if_held and t.state != HELD:
+        if not t.live or (only_if_held and t.state != HELD):
+            if release and not t.live:
+                self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
             return None
-        self.mutex.end(t, kv["lease"], state, reason)
+        self.mutex.end(t, kv["lease"], state, reason, revoke=release)
         return t
 
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:

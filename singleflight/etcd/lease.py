@@ -10,20 +10,33 @@ from singleflight.core.const import RELEASED
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
+from singleflight.etcd.client import Cluster
 from singleflight.etcd.lock import Mutex, ttl_of
 
 
 class EtcdGrip:
-    """The ticket's lease, first in line: what the wrapper hands its holder. No fd."""
+    """The ticket's lease, first in line: what the wrapper hands its holder. No fd.
 
-    def __init__(self, lease: int, kv: dict[str, Any]) -> None:
-        self.lease, self.kv = lease, kv
+    Wrapper and holder both keep it alive, so a frozen holder cannot let it lapse into a
+    second COMMAND; it is revoked by the holder, or by the wrapper once COMMAND is dead.
+    """
+
+    def __init__(self, cluster: Cluster, lease: int, kv: dict[str, Any], ttl: int) -> None:
+        self.cluster, self.lease, self.kv = cluster, lease, kv
+        self.keep_every: float | None = ttl / 3
 
     def fds(self) -> set[int]:
         return set()
 
+    def keep(self) -> None:
+        with contextlib.suppress(BackendUnavailable):
+            self.cluster.keepalive(self.lease)
+
     def close(self) -> None:
-        """The lease lives in the cluster; the holder keeps it alive from here."""
+        """The lease lives in the cluster; the holder revokes it when it hands over."""
+
+    def release(self) -> None:
+        self.cluster.revoke(self.lease)
 
 
 class EtcdLease:
@@ -77,7 +90,12 @@ class EtcdLease:
         if self.unreachable:
             return  # stopping COMMAND must not wait on a cluster we cannot reach
         with contextlib.suppress(BackendUnavailable):
-            self.mutex.end(self.ticket, self.lease, state, reason)
+            self.mutex.end(self.ticket, self.lease, state, reason, revoke=False)
+
+    def keep(self) -> None:
+        if not self.unreachable:
+            with contextlib.suppress(BackendUnavailable):
+                self.mutex.cluster.keepalive(self.lease)
 
     def record_request(self, status: int | None, window: float) -> None:
         with contextlib.suppress(BackendUnavailable):
@@ -92,7 +110,8 @@ class EtcdLease:
         self.tokens.remove(self.ticket.ticket_id)
 
     def release(self) -> None:
-        """end() revoked the lease: the key is gone and the next waiter promoted."""
+        """Revoke the lease: the key goes and the next waiter is promoted."""
+        self.mutex.cluster.revoke(self.lease)
 
     def housekeeping(self) -> None:
         """Ended tickets and request records expire on their own leases."""

@@ -102,6 +102,8 @@ class Mutex:
         kv = self.cluster.get(self.q + ticket_id)
         if kv is not None:
             t = parse_ticket(kv["value"])
+            if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
+                return t, kv
             first = self.holder()
             held = first is not None and first["key"] == kv["key"]
             t.state = HELD if held else WAITING
@@ -117,12 +119,26 @@ class Mutex:
         t.state, t.end_reason = EXPIRED, "lease expired"
         return t, None
 
-    def end(self, t: Ticket, lease: int, state: str, reason: str) -> None:
-        """Record the ticket's end (kept an hour), then revoke its lease: the key goes, the next is promoted."""
+    def end(self, t: Ticket, lease: int, state: str, reason: str, *, revoke: bool = True) -> None:
+        """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
+        promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
         t.state, t.end_reason, t.ended_at = state, reason, time.time()
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        self.cluster.put(self.e + t.ticket_id, value(t, lease), keep)
-        self.cluster.revoke(lease)
+        body = b64(value(t, lease))
+        self.cluster.txn(
+            [],
+            [
+                {"request_put": {"key": b64(self.e + t.ticket_id), "value": body, "lease": str(keep)}},
+                *(
+                    []
+                    if revoke
+                    else [{"request_put": {"key": b64(self.q + t.ticket_id), "value": body, "lease": str(lease)}}]
+                ),
+            ],
+            [],
+        )
+        if revoke:
+            self.cluster.revoke(lease)
 
     # -- the last successful start (--min-interval), across hosts -------------------
 

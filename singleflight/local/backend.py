@@ -37,7 +37,10 @@ _RELEASE_WAIT = 10.0
 
 
 class FlockGrip:
-    """The lock file's fd, flocked. Every copy (wrapper, holder) keeps the lock until all close."""
+    """The lock file's fd, flocked. One open file description, so one flock: the wrapper's
+    and the holder's copies (fork) keep the lock until both are closed."""
+
+    keep_every = None
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -45,10 +48,15 @@ class FlockGrip:
     def fds(self) -> set[int]:
         return {self.fd}
 
+    def keep(self) -> None:
+        """The fd keeps the lock by being open."""
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    release = close
 
 
 def _on_poke(signum: int, frame: FrameType | None) -> None:
@@ -114,6 +122,9 @@ class LocalLease:
 
     def record_request(self, status: int | None, window: float) -> None:
         self.store.write_request(self.ticket.request_uuid, RequestRecord.finished(self.ticket, status, window))
+
+    def keep(self) -> None:
+        """The fd keeps the lock by being open."""
 
     def record_success(self) -> None:
         self.store.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
@@ -237,7 +248,10 @@ class LocalLock:
             return 0.0
         return math.inf if t.lease_deadline_mono is None else t.lease_deadline_mono
 
-    def end(self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True) -> Ticket | None:
+    def end(
+        self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
+    ) -> Ticket | None:
+        # The flock is the grip's: ending the record never frees the lock by itself.
         return lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
 
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
