@@ -65,8 +65,9 @@ class Place(Protocol):
     def grip(self) -> Grip | None:
         """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
 
-    def queue(self) -> int:
-        """Take a place at the end of the FIFO line; its 1-based position."""
+    def queue(self, deadline: float) -> int:
+        """Take a place at the end of the FIFO line, held at most until ``deadline``
+        (monotonic; later calls of ``wait``'s ``deadline`` may extend it); its 1-based position."""
 
     def wait(self, deadline: Callable[[], float]) -> Grip | None:
         """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.
@@ -97,6 +98,9 @@ class Lease(Protocol):
 
     def keep(self) -> None:
         """While COMMAND is being stopped: keep the lock ours a while longer; never raises."""
+
+    def prepare_request(self, window: float) -> None:
+        """Before COMMAND starts: make recording its success unable to fail for lack of space."""
 
     def record_request(self, status: int | None, window: float) -> None: ...
 

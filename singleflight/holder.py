@@ -125,6 +125,8 @@ class Holder:
             self.lose(f"internal error in holder (a bug): {exc!r}")
 
     def _serve(self) -> NoReturn:
+        if self.cfg.request_uuid:
+            self.lease.prepare_request(self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
@@ -224,10 +226,16 @@ class Holder:
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
-        if self.cfg.request_uuid:
-            self.lease.record_request(status, self.cfg.dedupe_window)
-        if self.cfg.record_success and status == 0:
-            self.lease.record_success()
+        try:
+            if self.cfg.request_uuid:
+                self.lease.record_request(status, self.cfg.dedupe_window)
+            if self.cfg.record_success and status == 0:
+                self.lease.record_success()
+        except PearingError as exc:
+            # A failed run is retried anyway; a success that could not be recorded must
+            # not pass for one that was: pearing-run exits with this error, naming the path.
+            if status == 0 and self.chan is not None:
+                self.chan.send(protocol.error(exc.exit_code, str(exc)))
         reason = "command ended" if status is None else f"command exited {status}"
         self.lease.end(RELEASED, reason)
         fault.point("mid-release")

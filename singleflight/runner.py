@@ -90,7 +90,7 @@ def acquire(
 
     grip = None
     try:
-        on_queued(place.queue())
+        on_queued(place.queue(deadline()))
         grip = place.wait(deadline)
         if grip is None:
             with contextlib.suppress(PearingError):
@@ -487,6 +487,9 @@ class Runner:
             if msg.kind == protocol.LOST and self.lost is None:
                 self._lost(msg.text)
                 exit_code = int(ExitCode.LEASE_LOST)
+            elif msg.kind == protocol.ERROR:
+                self.log.error(msg.text)
+                exit_code = int(msg.code)
         if msg is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.
             self._release_without_holder(status)

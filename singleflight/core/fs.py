@@ -240,6 +240,13 @@ class Dir:
         except OSError as exc:
             raise _os_error(self.child_path(dst), exc) from None
 
+    def fsync(self) -> None:
+        """Make a rename in this directory durable."""
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from None
+
     def listdir(self) -> list[str]:
         try:
             return os.listdir(self.fd)

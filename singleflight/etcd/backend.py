@@ -46,7 +46,7 @@ class EtcdPlace:
     def __init__(self, lk: EtcdLock, ticket: Ticket, lease: int, grip: EtcdGrip | None) -> None:
         self.lk, self.ticket, self.lease, self.grip = lk, ticket, lease, grip
 
-    def queue(self) -> int:
+    def queue(self, deadline: float) -> int:
         kvs, _ = self.lk.mutex.queue()
         keys = [kv["key"] for kv in kvs]
         mine = self.lk.mutex.q + self.ticket.ticket_id

@@ -97,6 +97,9 @@ class EtcdLease:
             with contextlib.suppress(BackendUnavailable):
                 self.mutex.cluster.keepalive(self.lease)
 
+    def prepare_request(self, window: float) -> None:
+        """A cluster does not run out of disk under one run: nothing to prepare."""
+
     def record_request(self, status: int | None, window: float) -> None:
         with contextlib.suppress(BackendUnavailable):
             record = RequestRecord.finished(self.ticket, status, window)

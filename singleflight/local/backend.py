@@ -68,11 +68,11 @@ class LocalPlace:
         self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
         self.waiter: queue.Waiter | None = None
 
-    def queue(self) -> int:
+    def queue(self, deadline: float) -> int:
         store = self.lk.store
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
         with store.mutex():
-            self.waiter.enqueue()
+            self.waiter.enqueue(deadline)
             if store.read_ticket(self.ticket.ticket_id) is None:
                 store.write_ticket(self.ticket)
         return self.waiter.position()
@@ -120,8 +120,29 @@ class LocalLease:
     def end(self, state: str, reason: str) -> None:
         lease.end(self.store, self.ticket.ticket_id, state, reason)
 
+    def prepare_request(self, window: float) -> None:
+        # The success record is written (and fsynced) now, while there is room, so a
+        # success at the end only renames it into place: a disk that filled up while
+        # COMMAND ran cannot make a finished request look unfinished and run it twice.
+        # Its dedupe window therefore counts from the start of the run.
+        record = RequestRecord.finished(self.ticket, 0, window)
+        record.finished_at = None
+        self.store.sub("requests").write_atomic(self._prepared, record.to_json(), durable=True)
+
+    @property
+    def _prepared(self) -> str:
+        return f".{self.ticket.request_uuid}.succeeded"
+
     def record_request(self, status: int | None, window: float) -> None:
-        self.store.write_request(self.ticket.request_uuid, RequestRecord.finished(self.ticket, status, window))
+        requests, uuid = self.store.sub("requests"), self.ticket.request_uuid
+        try:
+            if status == 0 and requests.lstat(self._prepared) is not None:
+                requests.rename(self._prepared, f"{uuid}.json")
+                requests.fsync()
+                return
+            self.store.write_request(uuid, RequestRecord.finished(self.ticket, status, window))
+        finally:
+            requests.unlink(self._prepared)
 
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
