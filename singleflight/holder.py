@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Blocked from the fork until Holder() has its handlers in place.
+HOLDER_SIGNALS = frozenset({signal.SIGUSR1, *_STOP_SIGNALS})
 # poll() takes an int of milliseconds: a ten-year lease must not overflow it.
 _MAX_POLL_MS = 2**31 - 1
 # select() takes at most this many seconds on every platform Python supports.
@@ -108,9 +110,10 @@ class Holder:
         self.cmd_done = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
-        for sig in (signal.SIGUSR1, *_STOP_SIGNALS):
+        for sig in HOLDER_SIGNALS:
             signal.signal(sig, _ignore)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HOLDER_SIGNALS)  # what came meanwhile is handled now
 
     # -- the loop ----------------------------------------------------------
 

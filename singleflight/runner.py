@@ -185,6 +185,7 @@ class Runner:
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
+        self.tty = _Terminal()
 
     # -- top level ---------------------------------------------------------
 
@@ -354,20 +355,25 @@ class Runner:
 
     def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
         from singleflight.core.protocol import Channel
-        from singleflight.holder import detach
+        from singleflight.holder import HOLDER_SIGNALS, detach
 
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
+        # Until the holder's own handlers are in place (Holder() unblocks them), a stop
+        # signal or a poke stays pending instead of hitting the wrapper's handlers in it.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, HOLDER_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the holder
             code = ExitCode.SOFTWARE
             try:
+                fault.pause("pause-holder-start")
                 os.close(to_w)
                 os.close(from_r)
                 detach({*grip.fds(), to_r, from_w})
                 code = _serve(self.o, self.ticket, grip, cfg, Channel(to_r, from_w))
             finally:
                 os._exit(int(code))
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
         os.close(to_r)
         os.close(from_w)
         self.holder_pid = pid
@@ -400,6 +406,7 @@ class Runner:
             self.log.error(f"command {what}: {argv[0]}: {exc.strerror}")
             return -int(code)
         self.cmd_pid = pid
+        self.tty.give(pid)
         chan.send(protocol.started(pid, proc.start_time(pid) or 0))
         for sig in self.pending:
             _killpg(pid, sig)
@@ -425,18 +432,21 @@ class Runner:
         # With --heartbeat manual the lease's own expiry still carries COMMAND's heartbeats
         # on etcd, so only the holder may renew it there.
         every = self.grip.keep_every if self.grip is not None and self.o.heartbeat_auto else None
+        if self.tty.fd >= 0:
+            every = min(every or _JOB_CONTROL_POLL, _JOB_CONTROL_POLL)  # a pidfd says nothing of stops
         timeout = None if every is None else int(every * 1000)
         try:
             while True:
                 events = poller.poll(timeout)
-                if not events and self.grip is not None:
-                    self.grip.keep()
+                if not events:
+                    if self.grip is not None:
+                        self.grip.keep()
+                    if self.tty.fd >= 0 and (code := self._relay_stop(pid)) is not None:
+                        return code
                 for fd, _ev in events:
                     if fd == pidfd:
                         _, status = os.waitpid(pid, 0)
-                        self.cmd_pid = None
-                        code = os.waitstatus_to_exitcode(status)
-                        return 128 - code if code < 0 else code
+                        return self._ended(status)
                     chan.fill()
                     for msg in chan.messages():
                         if msg.kind == protocol.LOST and self.lost is None:
@@ -447,6 +457,26 @@ class Runner:
                             self._holder_vanished(pid)
         finally:
             os.close(pidfd)
+
+    def _ended(self, status: int) -> int:
+        """COMMAND's exit status as a shell reports it (128+N for signal N); the terminal comes back."""
+        self.cmd_pid = None
+        self.tty.take_back()
+        code = os.waitstatus_to_exitcode(status)
+        return 128 - code if code < 0 else code
+
+    def _relay_stop(self, pid: int) -> int | None:
+        """^Z stopped COMMAND: stop ourselves too, so the shell regains the terminal; on ``fg``
+        give it back and continue COMMAND (as if it were one job, like flock(1)'s child)."""
+        wpid, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
+        if wpid != pid:
+            return None
+        if not os.WIFSTOPPED(status):
+            return self._ended(status)
+        self.tty.take_back()
+        os.kill(os.getpid(), signal.SIGSTOP)  # the shell sees its job stopped; `fg` continues us
+        self.tty.give(pid)
+        return None
 
     def _lost(self, reason: str) -> None:
         self.lost = reason
@@ -553,6 +583,47 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip, cfg: HolderConfig, chan: C
         chan.send(protocol.error(ExitCode.SOFTWARE, f"internal error in holder (a bug): {exc!r}"))
         return ExitCode.SOFTWARE
     return ExitCode.OK
+
+
+# How often a wrapper on a terminal looks for a stopped COMMAND (^Z).
+_JOB_CONTROL_POLL = 0.1
+
+
+class _Terminal:
+    """The controlling terminal, when pearing-run runs in its foreground (typed in a shell).
+
+    COMMAND runs in a process group of its own (so signals reach all of it), which a
+    terminal treats as a background job: reading would stop it (SIGTTIN). So, as a shell
+    does, the terminal's foreground goes to COMMAND's group and comes back afterwards;
+    ^C and ^Z then reach COMMAND, as with flock(1).
+    """
+
+    def __init__(self) -> None:
+        self.fd = -1
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                self.fd = 0
+        except OSError:
+            pass
+
+    def give(self, pgid: int) -> None:
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(self.fd, pgid)
+        # It may have tried the terminal before it was its own (and been stopped for it).
+        _killpg(pgid, signal.SIGCONT)
+
+    def take_back(self) -> None:
+        if self.fd < 0:
+            return
+        # We are a background group of this terminal now: tcsetpgrp would stop us (SIGTTOU).
+        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            with contextlib.suppress(OSError):
+                os.tcsetpgrp(self.fd, os.getpgrp())
+        finally:
+            signal.signal(signal.SIGTTOU, old)
 
 
 def _nothing() -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import PEARING_CLI, PEARING_RUN, Gate, Procs, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, proc_state, q, wait_for
 
 from singleflight.core.const import ExitCode
 
@@ -248,3 +251,138 @@ def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(backend: str, procs
     held = procs.run_text([*args[:-2], "--lease-seconds", "3", "--wait-seconds", "10"])
     assert held.returncode == 0 and held.json["state"] == "held", held
     assert procs.run_text([PEARING_CLI, "release-lock-ticket", "u", held.json["ticket_id"]]).returncode == 0
+
+
+class Pty:
+    """pearing-run as the foreground job of a terminal, as when typed in a shell."""
+
+    def __init__(self, procs: Procs, *args: str) -> None:
+        pid, self.master = pty.fork()
+        if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+            try:
+                os.execve(PEARING_RUN, [PEARING_RUN, *args], procs.env)
+            finally:
+                os._exit(127)
+        self.pid, self.out = pid, b""
+
+    def expect(self, text: bytes, timeout: float = 15.0) -> None:
+        def seen() -> bool:
+            if select.select([self.master], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    self.out += os.read(self.master, 4096)
+            return text in self.out
+
+        wait_for(seen, timeout, f"{text!r} on the terminal (so far {self.out!r})")
+
+    def command_in_foreground(self) -> None:
+        """COMMAND's group owns the terminal now (pearing-run gave it right after the spawn)."""
+        wait_for(lambda: os.tcgetpgrp(self.master) != self.pid, 10, "COMMAND's group to get the terminal")
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        done = wait_for(lambda: (r := os.waitpid(self.pid, os.WNOHANG))[0] and r, timeout, "pearing-run to exit")
+        os.close(self.master)
+        return os.waitstatus_to_exitcode(done[1])
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(self.master)
+
+
+@pytest.fixture
+def term(procs: Procs) -> Iterator[Callable[..., Pty]]:
+    made: list[Pty] = []
+
+    def start(*args: str) -> Pty:
+        made.append(Pty(procs, *args))
+        return made[-1]
+
+    yield start
+    for t in made:
+        t.close()
+
+
+def test_an_interactive_command_reads_the_terminal(term: Callable[..., Pty]) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", 'echo ready; read a; echo "got $a"')
+    t.expect(b"ready")
+    t.send(b"hello\n")
+    t.expect(b"got hello")
+    assert t.wait() == 0
+
+
+def test_ctrl_c_reaches_the_command(term: Callable[..., Pty]) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", "echo ready; exec sleep 30")
+    t.expect(b"ready")
+    t.command_in_foreground()
+    t.send(b"\x03")
+    assert t.wait() == 128 + signal.SIGINT
+
+
+def test_ctrl_z_stops_the_job_and_fg_continues_it(term: Callable[..., Pty], procs: Procs) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", 'echo ready; read a; echo "got $a"')
+    t.expect(b"ready")
+    t.command_in_foreground()
+    t.send(b"\x1a")
+    # As a shell sees it: its job (pearing-run's process group) is stopped.
+    wait_for(lambda: proc_state(t.pid) == "T", 10, "pearing-run to stop with its COMMAND")
+    os.kill(t.pid, signal.SIGCONT)  # what `fg` does
+    wait_for(lambda: proc_state(t.pid) != "T", 10, "pearing-run to continue")
+    t.send(b"again\n")
+    t.expect(b"got again")
+    assert t.wait() == 0
+    # The lock was held throughout and is free again.
+    assert procs.pr_run("--job", "tty", "--", "true").returncode == 0
+
+
+def _stopped(pid: int) -> bool:
+    return proc_state(pid) == "T"
+
+
+def test_guard_exec_forwards_a_signal_that_lands_between_spawn_and_handlers(procs: Procs, work: Path) -> None:
+    """SIGTERM while pearing-guard exec sits right after spawning CMD (paused there by a test-only
+    fault point): the signal waits for the handlers and reaches CMD; it used to kill the guard
+    alone and orphan CMD."""
+    gate = Gate(work)
+    holder = procs.pr("--job", "g", "--", "sh", "-c", f"echo $PEARING_TOKEN_FILE > {q(work / 'tf')}; {gate.script()}")
+    gate.wait_ready()
+    env = dict(procs.env, PEARING_TOKEN_FILE=(work / "tf").read_text().strip(), PEARING_FAULT="pause-guard-spawned")
+    pidfile = work / "cmd.pid"
+    guard = procs.start([PEARING_GUARD, "exec", "--", "sh", "-c", f"echo $$ > {q(pidfile)}; exec sleep 30"], env=env)
+    wait_for(lambda: _stopped(guard.pid), 15, "the guard to pause right after the spawn")
+    cmd = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 15, "CMD's pid"))
+    os.kill(guard.pid, signal.SIGTERM)
+    os.kill(guard.pid, signal.SIGCONT)
+    r = procs.finish(guard)
+    assert r.returncode == 128 + signal.SIGTERM, r  # CMD got the TERM and the guard reports it
+    wait_for(lambda: proc_state(cmd) in (None, "Z"), 5, "CMD to be gone")
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+
+
+def test_a_stop_signal_that_lands_before_the_holder_is_ready_ends_the_lease(procs: Procs, work: Path) -> None:
+    """SIGTERM to the holder right after the fork (paused there): it waits for the holder's
+    handlers and ends the lease; it used to run the wrapper's inherited handler and be lost."""
+    env = dict(procs.env, PEARING_FAULT="pause-holder-start")
+    wrapper = procs.pr("--job", "h", "--", "sh", "-c", f"touch {q(work / 'ran')}; sleep 30", env=env)
+
+    def paused_holder() -> int | None:
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    data = Path(f"/proc/{name}/stat").read_bytes()
+                    fields = data[data.rindex(b")") + 2 :].split()
+                    if int(fields[1]) == wrapper.pid and fields[0] == b"T":
+                        return int(name)
+        return None
+
+    pid = int(wait_for(paused_holder, 15, "the forked holder to pause"))
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGCONT)
+    r = procs.finish(wrapper, timeout=60)
+    assert r.returncode == ExitCode.LEASE_LOST, r
+    assert procs.pr_run("--job", "h", "--", "true").returncode == 0
