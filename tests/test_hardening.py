@@ -231,7 +231,7 @@ def test_a_success_is_never_replayed_even_if_the_disk_fills_during_the_run(
         (small_fs / "filler").unlink()
 
 
-def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(backend: str, procs: Procs, work: Path) -> None:
+def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("--job", "u", "--", "sh", "-c", gate.script())
     gate.wait_ready()
