@@ -65,8 +65,8 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     grip = acquire(
         lk,
         ticket,
-        wait=math.inf,
-        deadline=lambda: lk.waiting_deadline(ticket_id),
+        until=math.inf,
+        ticket_deadline=lambda: lk.waiting_deadline(ticket_id),
         on_queued=on_queued,
         timeout_reason="waiting lease expired without heartbeat",
     )

@@ -35,7 +35,9 @@ from singleflight.core.const import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     EXPIRED,
+    QUEUE_FIFO,
     RELEASED,
+    SUPERSEDED,
     WAITING,
     ExitCode,
 )
@@ -65,22 +67,34 @@ def acquire(
     lk: LockOps,
     ticket: Ticket,
     *,
-    wait: float,
-    deadline: Callable[[], float],
+    until: float,
+    ticket_deadline: Callable[[], float],
     on_queued: Callable[[int], None],
     timeout_reason: str,
 ) -> Grip | None:
-    """The lock at once (when free and nobody is in line), or a FIFO place and a bounded wait.
+    """The lock at once (when free and nobody is in line), or a place in line and a bounded wait.
 
-    None when busy (``wait`` 0) or when ``deadline()`` passed first; the ticket
-    is then ended as cancelled with ``timeout_reason``.
+    Waits until ``until`` (monotonic) at most, and no longer than ``ticket_deadline()`` (the
+    waiting ticket's lease; 0 once it was released or superseded). A ticket that opted in to
+    cancel-in-progress first asks an opted-in holder to stop, and then waits at least that
+    holder's kill grace and a few seconds. ``ticket.queue_mode`` ``latest`` replaces the older
+    ``latest`` waiters (the backend's ``queue``). None when busy or when the wait ran out; the
+    ticket is then ended as cancelled with ``timeout_reason`` (unless it was superseded).
     """
     place = lk.enter(ticket)
     if place.grip is not None:
         return place.grip
-    if wait <= 0:
+    if ticket.cancel_in_progress:
+        grace = lk.cancel_holder(ticket)
+        if grace is not None:
+            until = max(until, time.monotonic() + grace + _CANCEL_SLACK)
+    if until <= time.monotonic():
         place.leave()
         return None
+
+    def deadline() -> float:
+        return min(until, ticket_deadline())
+
     # Import what holding needs now, while we wait, not after the hand-over.
     import json  # noqa: F401
     import secrets  # noqa: F401
@@ -100,10 +114,15 @@ def acquire(
     return grip
 
 
+# A newcomer that cancelled an opted-in holder waits at least its kill grace and this much more.
+_CANCEL_SLACK = 5.0
+
+
 class RunOptions:
     __slots__ = (
         "backend",
         "busy_exit_code",
+        "cancel_in_progress",
         "command",
         "dedupe_window",
         "heartbeat_auto",
@@ -116,6 +135,7 @@ class RunOptions:
         "max_runtime",
         "metrics_dir",
         "min_interval",
+        "queue",
         "repo",
         "request_uuid",
         "skip_if",
@@ -145,6 +165,8 @@ class RunOptions:
         log_format: str = "text",
         min_interval: float | None = None,
         metrics_dir: str | None = None,
+        queue: str = QUEUE_FIFO,
+        cancel_in_progress: bool = False,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
@@ -152,6 +174,7 @@ class RunOptions:
         self.request_uuid, self.dedupe_window, self.skip_if = request_uuid, dedupe_window, skip_if
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
         self.min_interval, self.metrics_dir = min_interval, metrics_dir
+        self.queue, self.cancel_in_progress = queue, cancel_in_progress
 
     job: str
     repo: str
@@ -172,6 +195,8 @@ class RunOptions:
     log_format: str
     min_interval: float | None
     metrics_dir: str | None
+    queue: str
+    cancel_in_progress: bool
 
 
 class Runner:
@@ -202,6 +227,9 @@ class Runner:
             lease_seconds=o.lease_seconds,
             holder_pid=os.getpid(),
             holder_start=proc.start_time(os.getpid()),
+            queue_mode=o.queue,
+            cancel_in_progress=o.cancel_in_progress,
+            kill_grace=o.kill_grace,
         )
         if self._done_recently():
             return 0
@@ -274,11 +302,6 @@ class Runner:
     def _acquire(self) -> Grip | None:
         o, lk, tid = self.o, self.lk, self.ticket.ticket_id
         started = time.monotonic()
-        until = started + o.wait_seconds
-
-        def deadline() -> float:
-            # release-lock-ticket on our waiting ticket cancels it: 0 ends the wait.
-            return min(until, lk.waiting_deadline(tid))
 
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
@@ -287,14 +310,18 @@ class Runner:
         grip = acquire(
             lk,
             self.ticket,
-            wait=o.wait_seconds,
-            deadline=deadline,
+            until=started + o.wait_seconds,
+            # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
+            ticket_deadline=lambda: lk.waiting_deadline(tid),
             on_queued=on_queued,
             timeout_reason="wait timed out",
         )
         self.waited = time.monotonic() - started
         if grip is None:
-            if o.wait_seconds <= 0:
+            ended = lk.read(tid) if self.ticket.promoted else None
+            if ended is not None and ended.superseded_by:
+                self.log.event("superseded", lock=o.job, by=ended.superseded_by)
+            elif not self.ticket.promoted:
                 self.log.event("busy", lock=o.job, repo=o.repo)
             else:
                 self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
@@ -339,7 +366,7 @@ class Runner:
             check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
             if self.lost:
-                return self._finish(chan, 1, int(ExitCode.LEASE_LOST), ran=False)
+                return self._finish(chan, 1, self._lost_code(), ran=False)
             if status == 0:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
                 self._metric("deduplicated")
@@ -351,7 +378,7 @@ class Runner:
             return self._finish(chan, -pid, -pid)
         status = self._wait_child(pid, chan)
         code = status if status is not None else int(ExitCode.LEASE_LOST)
-        return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
+        return self._finish(chan, code, self._lost_code() if self.lost else code)
 
     def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
         from singleflight.core.protocol import Channel
@@ -480,11 +507,21 @@ class Runner:
 
     def _lost(self, reason: str) -> None:
         self.lost = reason
+        if reason.startswith(SUPERSEDED):
+            # A newer run that opted in to cancel-in-progress asked us to stop: we exit busy.
+            self.log.event("superseded", lock=self.o.job, by=reason[len(SUPERSEDED) :])
+            return
         if not self.o.heartbeat_auto and "expire" in reason:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
         self.log.event("lease-lost", lock=self.o.job, reason=reason)
         self._metric("lease_lost")
+
+    def _lost_code(self) -> int:
+        """124, or the busy code when a newer opted-in run cancelled us."""
+        if self.lost is not None and self.lost.startswith(SUPERSEDED):
+            return self.o.busy_exit_code
+        return int(ExitCode.LEASE_LOST)
 
     def _holder_vanished(self, pid: int) -> None:
         """The holder died (kill -9): the token dies first, then COMMAND is stopped; our grip
@@ -510,13 +547,13 @@ class Runner:
         self._let_go()  # COMMAND is dead: only the holder's copy of the lock remains
         if ran:
             # Before the release: the next holder's "start" must land after this "end".
-            code = int(ExitCode.LEASE_LOST) if self.lost else exit_code
+            code = self._lost_code() if self.lost else exit_code
             self._metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
             if msg.kind == protocol.LOST and self.lost is None:
                 self._lost(msg.text)
-                exit_code = int(ExitCode.LEASE_LOST)
+                exit_code = self._lost_code()
             elif msg.kind == protocol.ERROR:
                 self.log.error(msg.text)
                 exit_code = int(msg.code)
@@ -528,7 +565,7 @@ class Runner:
         chan.close()
         _reap(self.holder_pid)
         if self.lost:
-            return int(ExitCode.LEASE_LOST)
+            return self._lost_code()
         self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
         return exit_code
 

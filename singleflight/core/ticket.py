@@ -11,7 +11,14 @@ import os
 import time
 from typing import Any
 
-from singleflight.core.const import HELD, REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED, WAITING
+from singleflight.core.const import (
+    HELD,
+    QUEUE_FIFO,
+    REQUEST_ACTIVE,
+    REQUEST_FAILED,
+    REQUEST_SUCCEEDED,
+    WAITING,
+)
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
 # or mean nothing to users (monotonic stamps, the holder's start time).
@@ -36,6 +43,10 @@ FIELDS = (
     "ended_at",
     "end_reason",
     "token_hash",
+    "queue_mode",
+    "cancel_in_progress",
+    "kill_grace",
+    "superseded_by",
 )
 _HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
 _TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
@@ -60,6 +71,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "ended_at": (int, float),
     "end_reason": (str,),
     "token_hash": (str,),
+    "queue_mode": (str,),
+    "cancel_in_progress": (bool,),
+    "kill_grace": (int, float),
+    "superseded_by": (str,),
 }
 
 
@@ -122,6 +137,10 @@ class Ticket:
         ended_at: float | None = None,
         end_reason: str | None = None,
         token_hash: str | None = None,
+        queue_mode: str | None = QUEUE_FIFO,
+        cancel_in_progress: bool | None = False,
+        kill_grace: float | None = None,
+        superseded_by: str | None = None,
     ) -> None:
         self.ticket_id, self.request_uuid = ticket_id, request_uuid
         self.lock_name, self.repo, self.identity = lock_name, repo, identity
@@ -133,6 +152,12 @@ class Ticket:
         self.created_at = time.time() if created_at is None else created_at
         self.acquired_at, self.ended_at, self.end_reason = acquired_at, ended_at, end_reason
         self.token_hash = token_hash
+        # Event-driven concurrency: a `latest` waiter is replaced by a newer one; a holder that
+        # opted in to cancel-in-progress is stopped (token dead, TERM, KILL after kill_grace)
+        # when a newer opted-in run asks (superseded_by).
+        self.queue_mode = queue_mode or QUEUE_FIFO
+        self.cancel_in_progress = bool(cancel_in_progress)
+        self.kill_grace, self.superseded_by = kill_grace, superseded_by
 
     ticket_id: str
     request_uuid: str
@@ -154,6 +179,10 @@ class Ticket:
     ended_at: float | None
     end_reason: str | None
     token_hash: str | None
+    queue_mode: str
+    cancel_in_progress: bool
+    kill_grace: float | None
+    superseded_by: str | None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELDS}

@@ -167,6 +167,10 @@ class EtcdLock:
             return EtcdPlace(self, ticket, lease, EtcdGrip(self.cluster, lease, kvs[0], ttl_of(ticket.lease_seconds)))
         return EtcdPlace(self, ticket, lease, None)
 
+    def cancel_holder(self, ticket: Ticket) -> float | None:
+        """Not yet on etcd: an opted-in holder there is left alone, as one that did not opt in."""
+        return None
+
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
         # A request timeout short enough that a dead member cannot hold the holder past its deadline.
         cluster = Cluster(self.backend.url, timeout=max(0.2, min(1.0, ttl_of(ticket.lease_seconds) / 10)))

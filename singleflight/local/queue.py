@@ -91,6 +91,14 @@ def _seq(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def seq_of(store: LockStore, ticket_id: str) -> int | None:
+    """The place in line of a ticket's entry, if it has one."""
+    for name in _entries(store.sub("queue")):
+        if name.endswith("." + ticket_id):
+            return _seq(name)
+    return None
+
+
 def _deadline_of(qdir: Dir, name: str) -> float | None:
     """The monotonic deadline a waiter wrote into its entry (None: unknown, e.g. being written)."""
     try:
@@ -146,14 +154,15 @@ class Waiter:
         self.seq = 0
         self.published: float | None = None
 
-    def enqueue(self, deadline: float) -> int:
-        """Take the next place in line. Caller holds ``store.mutex()``."""
+    def enqueue(self, deadline: float, *, seq: int | None = None) -> int:
+        """Take the next place in line, or place ``seq`` (a superseded waiter's). Caller holds
+        ``store.mutex()``."""
         names = _entries(self.qdir)
         counter = self.qdir.read(_SEQ_FILE)
         last = max([_seq(names[-1])] if names else [0])
         if counter and counter.strip().isdigit():
             last = max(last, int(counter))
-        self.seq = last + 1
+        self.seq = seq if seq is not None else last + 1
         name = f"{self.seq:020d}.{self.ticket_id}"
         tmp = f".new.{self.ticket_id}"
         fd = self.qdir.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -162,7 +171,7 @@ class Waiter:
         self.fd = fd
         self._publish(deadline)
         self.qdir.rename(tmp, name)
-        self.qdir.write_atomic(_SEQ_FILE, f"{self.seq}\n".encode(), durable=False)
+        self.qdir.write_atomic(_SEQ_FILE, f"{max(self.seq, last)}\n".encode(), durable=False)
         self.name = name
         return self.seq
 
