@@ -29,9 +29,8 @@ def test_a_newer_latest_waiter_replaces_the_older_and_fifo_waiters_keep_their_or
     gate.wait_ready()
     f1 = procs.pr("--job", "t42", "--wait-seconds", "60", "--", *logged(log, "F1", seconds=0))
     wait_for(lambda: len(waiters(procs, "t42")) == 1, 15, "F1 to queue")
-    l1 = procs.pr(
-        "-v", "--job", "t42", "--queue", "latest", "--wait-seconds", "60", "--", *logged(log, "L1", seconds=0)
-    )
+    latest = ("--job", "t42", "--queue", "latest", "--wait-seconds", "60", "--")
+    l1 = procs.pr("-v", *latest, *logged(log, "L1", seconds=0))
     wait_for(lambda: len(waiters(procs, "t42")) == 2, 15, "L1 to queue")
     assert [w["queue_mode"] for w in waiters(procs, "t42")] == ["fifo", "latest"]
     f2 = procs.pr("--job", "t42", "--wait-seconds", "60", "--", *logged(log, "F2", seconds=0))
