@@ -59,7 +59,6 @@ HELD: Final = "held"
 RELEASED: Final = "released"
 EXPIRED: Final = "expired"
 CANCELLED: Final = "cancelled"
-LIVE_STATES: Final = frozenset({WAITING, HELD})
 
 # --queue: FIFO waiters keep their order; a `latest` waiter replaces older `latest` ones.
 QUEUE_FIFO: Final = "fifo"
