@@ -1,6 +1,6 @@
 """The agent: the detached holder of a ticket taken by ``pearing-cli acquire-lock``,
 ``pearing-mcp`` or ``Lock``. It is pearing-run without a COMMAND: the same acquire
-path (``runner.acquire``), the same holder.
+path (``acquire.acquire``), the same holder.
 
     python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual]
 
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import protocol
 from singleflight.core.const import ExitCode
@@ -26,7 +27,6 @@ from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.holder import Holder, HolderConfig
-from singleflight.runner import acquire
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,8 @@ fd (one open file description, so one flock): whichever dies first, the lock
 is freed only once the other lets go, and the wrapper lets go only once
 COMMAND is dead.
 
-``acquire`` is the one acquire path, shared with the agent behind
-``pearing-cli acquire-lock``, ``pearing-mcp`` and ``Lock``.
+It takes the lock through ``acquire.acquire``, the one acquire path it shares
+with the agent behind ``pearing-cli acquire-lock``, ``pearing-mcp`` and ``Lock``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import fault, proc, protocol
 from singleflight.core.const import (
@@ -44,9 +44,10 @@ from singleflight.core.const import (
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.core.tty import JOB_CONTROL_POLL, Terminal
 
 if TYPE_CHECKING:
-    from singleflight.backend import Grip, LockOps
+    from singleflight.backend import Grip
     from singleflight.core.metrics import Event
     from singleflight.core.protocol import Channel, Taken
     from singleflight.holder import HolderConfig
@@ -61,61 +62,6 @@ FORWARDED_SIGNALS = (
 )
 # Python ignores SIGPIPE (and we catch the forwarded ones); COMMAND starts with defaults.
 _DEFAULT_IN_CHILD = (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGALRM)
-
-
-def acquire(
-    lk: LockOps,
-    ticket: Ticket,
-    *,
-    until: float,
-    ticket_deadline: Callable[[], float],
-    on_queued: Callable[[int], None],
-    timeout_reason: str,
-) -> Grip | None:
-    """The lock at once (when free and nobody is in line), or a place in line and a bounded wait.
-
-    Waits until ``until`` (monotonic) at most, and no longer than ``ticket_deadline()`` (the
-    waiting ticket's lease; 0 once it was released or superseded). A ticket that opted in to
-    cancel-in-progress first asks an opted-in holder to stop, and then waits at least that
-    holder's kill grace and a few seconds. ``ticket.queue_mode`` ``latest`` replaces the older
-    ``latest`` waiters (the backend's ``queue``). None when busy or when the wait ran out; the
-    ticket is then ended as cancelled with ``timeout_reason`` (unless it was superseded).
-    """
-    place = lk.enter(ticket)
-    if place.grip is not None:
-        return place.grip
-    if ticket.cancel_in_progress:
-        grace = lk.cancel_holder(ticket)
-        if grace is not None:
-            until = max(until, time.monotonic() + grace + _CANCEL_SLACK)
-    if until <= time.monotonic():
-        place.leave()
-        return None
-
-    def deadline() -> float:
-        return min(until, ticket_deadline())
-
-    # Import what holding needs now, while we wait, not after the hand-over.
-    import json  # noqa: F401
-    import secrets  # noqa: F401
-    import select  # noqa: F401
-
-    from singleflight import holder  # noqa: F401
-
-    grip = None
-    try:
-        on_queued(place.queue(deadline()))
-        grip = place.wait(deadline)
-        if grip is None:
-            with contextlib.suppress(PearingError):
-                lk.end(ticket.ticket_id, CANCELLED, timeout_reason, only_if_held=False)
-    finally:
-        place.leave()
-    return grip
-
-
-# A newcomer that cancelled an opted-in holder waits at least its kill grace and this much more.
-_CANCEL_SLACK = 5.0
 
 
 class RunOptions:
@@ -210,7 +156,7 @@ class Runner:
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
-        self.tty = _Terminal()
+        self.tty = Terminal()
 
     # -- top level ---------------------------------------------------------
 
@@ -460,7 +406,7 @@ class Runner:
         # on etcd, so only the holder may renew it there.
         every = self.grip.keep_every if self.grip is not None and self.o.heartbeat_auto else None
         if self.tty.fd >= 0:
-            every = min(every or _JOB_CONTROL_POLL, _JOB_CONTROL_POLL)  # a pidfd says nothing of stops
+            every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
         timeout = None if every is None else int(every * 1000)
         try:
             while True:
@@ -620,47 +566,6 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip, cfg: HolderConfig, chan: C
         chan.send(protocol.error(ExitCode.SOFTWARE, f"internal error in holder (a bug): {exc!r}"))
         return ExitCode.SOFTWARE
     return ExitCode.OK
-
-
-# How often a wrapper on a terminal looks for a stopped COMMAND (^Z).
-_JOB_CONTROL_POLL = 0.1
-
-
-class _Terminal:
-    """The controlling terminal, when pearing-run runs in its foreground (typed in a shell).
-
-    COMMAND runs in a process group of its own (so signals reach all of it), which a
-    terminal treats as a background job: reading would stop it (SIGTTIN). So, as a shell
-    does, the terminal's foreground goes to COMMAND's group and comes back afterwards;
-    ^C and ^Z then reach COMMAND, as with flock(1).
-    """
-
-    def __init__(self) -> None:
-        self.fd = -1
-        try:
-            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
-                self.fd = 0
-        except OSError:
-            pass
-
-    def give(self, pgid: int) -> None:
-        if self.fd < 0:
-            return
-        with contextlib.suppress(OSError):
-            os.tcsetpgrp(self.fd, pgid)
-        # It may have tried the terminal before it was its own (and been stopped for it).
-        _killpg(pgid, signal.SIGCONT)
-
-    def take_back(self) -> None:
-        if self.fd < 0:
-            return
-        # We are a background group of this terminal now: tcsetpgrp would stop us (SIGTTOU).
-        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-        try:
-            with contextlib.suppress(OSError):
-                os.tcsetpgrp(self.fd, os.getpgrp())
-        finally:
-            signal.signal(signal.SIGTTOU, old)
 
 
 def _nothing() -> None:
