@@ -224,8 +224,26 @@ class Holder:
             self.chan.send(protocol.lost(reason))
         with contextlib.suppress(PearingError):
             self.lease.remove_token_file()
+        if self.cfg.owned_by_wrapper and self.cmd_pid is None:
+            self._await_command()
         self._stop_command()
         self._release_lock_and_exit()
+
+    def _await_command(self) -> None:
+        """Lost before COMMAND started: the wrapper may be spawning it right now. Hear which it
+        is, COMMAND started (then it is stopped) or never will be, before the lock goes."""
+        chan = self.chan
+        while chan is not None and not chan.eof:
+            msg = chan.recv_until(time.monotonic() + _KEEP_EVERY)
+            self.lease.keep()
+            if msg is None:
+                continue
+            if msg.kind == protocol.STARTED:
+                self.cmd_pid, self.cmd_fd = msg.pid, _pidfd(msg.pid, msg.stamp)
+                self.cmd_done = self.cmd_fd is None
+                return
+            if msg.kind == protocol.EXITED:
+                return
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""

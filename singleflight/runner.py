@@ -308,7 +308,7 @@ class Runner:
             promoted=int(self.ticket.promoted),
         )
         env = self._command_env(taken)
-        if o.skip_if is not None:
+        if o.skip_if is not None and not self._heard_lost(chan):
             check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
             if self.lost:
@@ -317,6 +317,10 @@ class Runner:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
                 self._metric("deduplicated")
                 return self._finish(chan, 0, 0, ran=False)
+        if self._heard_lost(chan):
+            # The lease was lost before COMMAND could start (a stop signal at the holder's
+            # start, a lease shorter than our start-up): never start it.
+            return self._finish(chan, 1, self._lost_code(), ran=False)
         self.started_mono = time.monotonic()
         self._metric("start")
         pid = self._spawn(o.command, env, chan)
@@ -430,6 +434,17 @@ class Runner:
                             self._holder_vanished(pid)
         finally:
             os.close(pidfd)
+
+    def _heard_lost(self, chan: Channel) -> bool:
+        """Has the holder said the lease is lost? Reads what is there, without blocking."""
+        import select
+
+        while self.lost is None and not chan.eof and select.select([chan.rfd], [], [], 0)[0]:
+            chan.fill()
+            for msg in chan.messages():
+                if msg.kind == protocol.LOST:
+                    self._lost(msg.text)
+        return self.lost is not None
 
     def _ended(self, status: int) -> int:
         """COMMAND's exit status as a shell reports it (128+N for signal N); the terminal comes back."""

@@ -385,4 +385,6 @@ def test_a_stop_signal_that_lands_before_the_holder_is_ready_ends_the_lease(proc
     os.kill(pid, signal.SIGCONT)
     r = procs.finish(wrapper, timeout=60)
     assert r.returncode == ExitCode.LEASE_LOST, r
+    # COMMAND (sleep 30) either never started or was stopped: it did not run to its end.
+    assert r.elapsed < 20, r
     assert procs.pr_run("--job", "h", "--", "true").returncode == 0
