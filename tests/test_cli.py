@@ -33,7 +33,7 @@ from helpers import (
     wait_for,
 )
 
-from singleflight.core.const import ENV_IDENTITY, ENV_TICKET, ExitCode
+from singleflight.core.const import ENV_BACKEND, ENV_IDENTITY, ENV_TICKET, ExitCode
 
 # The seed walkthrough's values.
 _REPO = "teams/platform/website"
@@ -280,6 +280,36 @@ def test_lease_expiry_without_heartbeat_frees_the_lock(backend: str, work_procs:
     assert nxt.json["state"] == "held"
     assert nxt.json["fence"] > acq.json["fence"]
     assert backend != "local" or nxt.json["fence"] == 2
+
+
+@pytest.mark.etcd_xfail(
+    "get-lock-ticket shows lease_expires_at null for a ticket still held in the last second of its lease "
+    "(the etcd lease's remaining whole seconds read 0); the lock dir always says when a held lease expires"
+)
+def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: Procs, lock_dir: Path) -> None:
+    """Sampled densely through ``ops.get``, the very function get-lock-ticket prints, in-process:
+    a process per read would step over the lease's last second."""
+    from singleflight import ops
+    from singleflight.backend import open_backend
+
+    acq = _acquire(work_procs, lease="2", wait="0")
+    assert acq.returncode == 0, acq
+    tid = acq.json["ticket_id"]
+    held: list[object] = []
+
+    def ended() -> bool:
+        t = ops.get(b, _LOCK, _REPO, tid)
+        if t["state"] == "held":
+            held.append(t["lease_expires_at"])
+        return t["state"] != "held"
+
+    b = open_backend(work_procs.env.get(ENV_BACKEND), str(lock_dir))
+    try:
+        wait_for(ended, 15, "the unheartbeated lease to run out")
+    finally:
+        b.close()
+    assert len(held) > 10, held
+    assert all(isinstance(x, str) and _RFC3339_UTC.match(x) for x in held), held
 
 
 @pytest.mark.etcd_xfail(
