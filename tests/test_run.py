@@ -38,6 +38,8 @@ from helpers import (
     read_json,
     store_dir,
     stored_blobs,
+    ticket_record,
+    ticket_records,
     tree,
     wait_for,
     wait_line,
@@ -211,6 +213,8 @@ def test_everything_released_before_the_wrapper_exits(backend: str, procs: Procs
         seen = read_json(envfile)
         assert seen is not None
         assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file still there after pearing-run exited"
+        if backend == "local":  # read-only, before status could sweep a record left behind
+            assert ticket_records(lock_dir, "J") == [], "a live ticket left after the run"
         st = lock_status(procs, "J")
         assert (st["state"], st["holder"], st["waiters"]) == ("free", None, []), st
         assert get_ticket(procs, "J", seen[ENV_TICKET])["state"] == "released"
@@ -501,7 +505,7 @@ def test_wrapper_killed_holder_keeps_lock_until_command_ends(backend: str, procs
 # -- 10. holder killed -------------------------------------------------------------------------
 
 
-def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path) -> None:
+def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path, lock_dir: Path) -> None:
     gate = Gate(work)
     envfile, termed = work / "env.json", work / "termed"
     script = f"trap 'touch {q(termed)}; exit 143' TERM; {dump_env(envfile)}; {gate.script()}"
@@ -519,6 +523,9 @@ def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path) -> 
     assert r.elapsed < 10.0, r
     assert termed.exists(), "COMMAND got no SIGTERM"
     assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file of a dead holder left behind"
+    if backend == "local":  # read-only, before get-lock-ticket could sweep a record left held
+        found = ticket_record(lock_dir, "J", ticket)
+        assert found is not None and found[1]["state"] != "held", found
     assert get_ticket(procs, "J", ticket)["state"] != "held"
 
     fence_out = work / "next-fence"
