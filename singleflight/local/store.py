@@ -211,11 +211,13 @@ class LockStore:
         """The highest fence in tickets/, ended/ (the last holder's record is never pruned),
         requests/ (and each one's previous run) and the success record; 0 if none shows one."""
         highest = 0
+        # Only directories that exist: a new lock must not grow empty ones (disk per idle lock).
         for sub in ("tickets", "ended"):
-            for t in self._records(sub):
-                highest = max(highest, t.fence or 0)
-        d = self.sub("requests")
-        for name in d.listdir():
+            if self.dir.lstat(sub) is not None:
+                for t in self._records(sub):
+                    highest = max(highest, t.fence or 0)
+        names = self.sub("requests").listdir() if self.dir.lstat("requests") is not None else []
+        for name in names:
             if name.endswith(".json") and not name.startswith("."):
                 rec = self.read_request(name[:-5])
                 while rec is not None:
