@@ -14,7 +14,7 @@ traversal string used as a file name), never a fence at or below one already iss
 stale fence accepted by the ledger.
 
 The number of examples is bounded (PEARING_FUZZ_EXAMPLES per file, default 6) so the whole file
-runs in about a minute; raise it for a longer soak.
+runs in about a minute; raise it for a longer soak (PEARING_FUZZ_SHRINK=0 skips shrinking).
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ from typing import Any
 
 import pytest
 from helpers import MARKER_VAR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Procs, Result, q, tree
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from singleflight.core.const import ENV_IDENTITY, ENV_LOCK_DIR, MAX_FENCE, ExitCode
 
 EXAMPLES = int(os.environ.get("PEARING_FUZZ_EXAMPLES", "6"))
+# Shrinking a failure re-runs real processes hundreds of times; PEARING_FUZZ_SHRINK=0 reports
+# the first failing example as found.
+PHASES = tuple(p for p in Phase if os.environ.get("PEARING_FUZZ_SHRINK", "1") != "0" or p is not Phase.shrink)
 IDENTITY = "fuzz@host"
 LOCK = "locks/default/@J"
 # What a command may end with, whatever it was fed.
@@ -412,6 +415,7 @@ def test_planted_content_is_a_clear_error_never_a_crash(procs: Procs, base: Base
 
     @settings(
         max_examples=EXAMPLES,
+        phases=PHASES,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],

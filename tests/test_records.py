@@ -246,6 +246,18 @@ def test_ledger_dir_writable_by_others_without_sticky_is_77(procs: Procs, tmp_pa
     assert_refused_77(fence_in(procs, ledger, 3), d)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_ledger_dir_owned_by_another_user_is_77(procs: Procs, tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir()
+    ledger = d / "ledger.json"
+    assert fence_in(procs, ledger, 9).returncode == 0
+    os.chown(d, 65534, 65534)  # they may now replace the ledger: it proves nothing any more
+    r = fence_in(procs, ledger, 3)
+    assert_refused_77(r, d)
+    assert "65534" in r.err_lines[0], r
+
+
 def test_ledger_below_a_loose_ancestor_is_77(procs: Procs, tmp_path: Path) -> None:
     top = tmp_path / "top"
     (top / "inner").mkdir(parents=True)

@@ -149,8 +149,11 @@ class Dir:
             raise _os_error(path, exc) from None
         try:
             st = os.fstat(fd)
-            if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-                raise NotPermitted(path, f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+            if st.st_uid not in (0, os.geteuid()):
+                raise NotPermitted(path, f"{what} is owned by uid {st.st_uid}, not by root or this user")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                mode = stat.S_IMODE(st.st_mode)
+                raise NotPermitted(path, f"{what} is writable by others without the sticky bit (mode {mode:o})")
             check_ancestors(path)
         except BaseException:
             os.close(fd)

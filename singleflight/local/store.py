@@ -2,7 +2,7 @@
 
 LOCK_DIR/                      0700, owned by the user, never group/world-writable
   activity/IDENTITY            the identity's current activity text
-  ledger/RESOURCE              highest fence a target accepted (pearing-guard fence)
+  ledger.json                  highest fence per resource a target accepted (pearing-guard fence)
   locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
     lock                       the kernel flock the holder keeps; never unlinked
     state.lock                 short mutex around read-modify-write of records
