@@ -300,7 +300,7 @@ class Procs:
         for path in locks.rglob("*.json"):
             if path.parent.name not in ("tickets", "ended"):
                 continue
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 pid = json.loads(path.read_text()).get("holder_pid")
                 if isinstance(pid, int) and pid > 1:
                     pids.add(pid)

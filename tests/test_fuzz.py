@@ -429,12 +429,6 @@ def test_planted_content_is_a_clear_error_never_a_crash(procs: Procs, base: Base
     case()
 
 
-@pytest.mark.xfail(
-    reason="local/queue.py Waiter.enqueue parses queue/.seq with int() unbounded: more than 4300 digits "
-    "raise ValueError (exit 70); the fix (bounded digits, else a CorruptRecord naming the path) is the "
-    "queue module's",
-    strict=False,
-)
 def test_queue_counter_of_thousands_of_digits(procs: Procs, base: Base, tmp_path: Path) -> None:
     ex = Example(procs, base, tmp_path / "ex", f"{LOCK}/queue/.seq")
     ex.plant(Plant("file", b"9" * 5000 + b"\n"))

@@ -83,8 +83,12 @@ def try_flock(fd: int) -> bool:
     return True
 
 
+_ASCII_DIGITS = frozenset("0123456789")
+
+
 def _entries(qdir: Dir) -> list[str]:
-    return sorted(n for n in qdir.listdir() if n[:1].isdigit())
+    """Queue entries, ``SEQ.TICKET`` with SEQ 20 ASCII digits; any other name is not ours."""
+    return sorted(n for n in qdir.listdir() if len(n) > 21 and n[20] == "." and set(n[:20]) <= _ASCII_DIGITS)
 
 
 def _seq(name: str) -> int:
@@ -160,8 +164,11 @@ class Waiter:
         names = _entries(self.qdir)
         counter = self.qdir.read(_SEQ_FILE)
         last = max([_seq(names[-1])] if names else [0])
-        if counter and counter.strip().isdigit():
-            last = max(last, int(counter))
+        text = counter.strip() if counter else b""
+        # ASCII digits that fit the 20-digit entry names; anything else is no counter at all
+        # (int() of thousands of digits raises, and longer names would break the FIFO order).
+        if text and len(text) <= 19 and all(48 <= c <= 57 for c in text):
+            last = max(last, int(text))
         self.seq = seq if seq is not None else last + 1
         name = f"{self.seq:020d}.{self.ticket_id}"
         tmp = f".new.{self.ticket_id}"
