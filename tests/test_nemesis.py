@@ -432,8 +432,8 @@ class Frozen:
 class Stall:
     since: float
     until: float
-    waiters: list[int]
-    frozen_waiters: list[int]
+    waiters: set[int]
+    frozen_waiters: set[int]
 
 
 class Nemesis:
@@ -466,6 +466,8 @@ class Nemesis:
         self.fault_log: list[str] = []
         self.stalls: list[Stall] = []
         self._idle_since: float | None = None
+        self._waiter_killed = 0.0
+        self._stall: Stall | None = None
         self.watcher = Watcher(self.log)
         self.t0 = time.monotonic()
 
@@ -631,6 +633,8 @@ class Nemesis:
         self.fault_log.append(f"contender {c.cid}: {what}")
         if pause is not None:
             self.frozen.append(Frozen(kind, pid, stime, group, now + pause, c))
+        if kind == "kill-waiter":
+            self._waiter_killed = now
 
     def thaw(self, f: Frozen) -> None:
         if f.group:
@@ -641,14 +645,17 @@ class Nemesis:
         self.frozen.remove(f)
 
     def sample_idle(self) -> None:
-        """Liveness: the lock must not sit idle while someone waits in line. Excused: a frozen
-        wrapper, holder or COMMAND (their run holds the lock), and a frozen waiter at the head
-        of the line until its own wait deadline (SPEC: it keeps its place until then)."""
+        """Liveness: the lock must not sit idle longer than lease + kill grace + 1 s while
+        someone waits in line. The clock starts when the lock went idle, but no earlier than
+        the wait deadline of every frozen waiter ahead of the first running one (SPEC: a
+        frozen waiter keeps its place until then) nor the last kill of a waiter (on etcd its
+        key lingers until its lease runs out). A frozen wrapper, holder or COMMAND excuses
+        it altogether: their run holds the lock."""
         now = time.monotonic()
         if self.watcher.live() or any(f.kind != "stop-waiter" for f in self.frozen):
-            self._idle_since = None
+            self._idle_since = self._stall = None
             return
-        # In arrival (spawn) order: FIFO. A frozen waiter stays in line; a running one leaves
+        # In arrival (spawn) order, FIFO. A frozen waiter stays in line; a running one leaves
         # at its deadline.
         line = [
             c
@@ -658,20 +665,21 @@ class Nemesis:
             and c.spawned + 0.5 < now
             and (self.is_frozen(c) or now < c.spawned + c.wait - 0.3)
         ]
-        head = line[0] if line else None
-        served = [c for c in line if not self.is_frozen(c)]
-        if head is None or not served or (self.is_frozen(head) and now < head.spawned + head.wait):
-            self._idle_since = None
+        first = next((i for i, c in enumerate(line) if not self.is_frozen(c)), None)
+        if first is None:
+            self._idle_since = self._stall = None
             return
         if self._idle_since is None:
             self._idle_since = now
+        since = max([self._idle_since, self._waiter_killed, *(c.spawned + c.wait for c in line[:first])])
+        if now - since <= self.bound:
             return
-        if now - self._idle_since > self.bound:
-            frozen = [c.cid for c in line if self.is_frozen(c)]
-            if self.stalls and self.stalls[-1].since == self._idle_since:
-                self.stalls[-1].until = now
-            else:
-                self.stalls.append(Stall(self._idle_since, now, [c.cid for c in served], frozen))
+        if self._stall is None:  # one record per idle spell
+            self._stall = Stall(since, now, set(), set())
+            self.stalls.append(self._stall)
+        self._stall.until = now
+        self._stall.waiters.update(c.cid for c in line[first:])
+        self._stall.frozen_waiters.update(c.cid for c in line[:first])
 
     # -- the round -------------------------------------------------------------------------------
 
@@ -745,7 +753,7 @@ def check_stalls(n: Nemesis, v: Verdict) -> None:
     for s in n.stalls:
         v.stalls.append(
             f"stall: lock idle {s.until - s.since:.2f}s from {s.since - n.t0:.3f}s while contenders "
-            f"{s.waiters} waited; frozen waiters in line: {s.frozen_waiters}"
+            f"{sorted(s.waiters)} waited behind frozen waiters {sorted(s.frozen_waiters)} (past their deadlines)"
         )
         v.involved |= {*s.waiters, *s.frozen_waiters}
 
