@@ -323,7 +323,7 @@ def test_waiting_ticket_without_heartbeat_leaves_the_queue(backend: str, work_pr
     assert w.returncode == ExitCode.BUSY, w
     assert w.json["state"] == "waiting"
     tid = w.json["ticket_id"]
-    wait_for(lambda: _state(work_procs, tid) == "cancelled", 10, "the abandoned waiting ticket to be cancelled")
+    wait_for(lambda: _state(work_procs, tid) == "cancelled", 8, "the abandoned waiting ticket to be cancelled")
     got = _get(work_procs, tid).json
     assert got["queue_position"] is None
     st = _cli(work_procs, "status", "--repo", _REPO)

@@ -156,13 +156,15 @@ def test_manual_heartbeat_keeps_the_lease_and_its_absence_loses_it(
     # cluster's TTL in whole seconds, so a 2 s lease leaves a heartbeat about one second,
     # and one pearing-cli heartbeat takes up to a second on a loaded 2-core machine.
     beat = (
-        f"for i in 1 2 3 4 5 6 7 8 9 10 11 12; do {PEARING_CLI} heartbeat-lock-ticket --lease-seconds 5"
-        " >/dev/null || exit 9; sleep 0.5; done"
+        "end=$(( $(date +%s%N) + 5500000000 )); while [ $(date +%s%N) -lt $end ]; do "
+        f"{PEARING_CLI} heartbeat-lock-ticket --lease-seconds 5 >/dev/null || exit 9; sleep 0.5; done"
     )
-    flags = ["--backend", etcd.url, "--job", job, "--heartbeat", "manual", "--lease-seconds", "5"]
-    r = procs.pr_run(*flags, "--", "sh", "-c", beat)
+    flags = ["--backend", etcd.url, "--job", job, "--heartbeat", "manual"]
+    r = procs.pr_run(*flags, "--lease-seconds", "5", "--", "sh", "-c", beat)
     assert r.returncode == 0, r
-    assert r.elapsed >= 6.0  # lived past its first lease period on heartbeats alone
-    silent = procs.pr_run(*flags, "--kill-grace", "1", "--", "sh", "-c", f"touch {q(work / 'up')}; sleep 30")
+    assert r.elapsed >= 5.5  # lived past its first lease period on heartbeats alone
+    silent = procs.pr_run(
+        *flags, "--lease-seconds", "2", "--kill-grace", "1", "--", "sh", "-c", f"touch {q(work / 'up')}; sleep 30"
+    )
     assert silent.returncode == ExitCode.LEASE_LOST, silent
     assert silent.elapsed < 15

@@ -624,12 +624,12 @@ def test_killed_waiter_does_not_stall_queue(backend: str, procs: Procs, work: Pa
     doomed.kill()
     doomed.wait(timeout=10)
     released_at = time.monotonic()
-    gate.open()
-    line = wait_line(out, timeout=10)
-    served_after = time.monotonic() - released_at
     # The kernel drops a dead waiter's queue entry at once; on etcd its key goes with its
     # lease, and SPEC promises a killed waiter stops blocking within 5 s.
     bound = 1.0 if backend == "local" else 5.0
+    gate.open()
+    line = wait_line(out, timeout=bound + 3)
+    served_after = time.monotonic() - released_at
     assert served_after < bound, f"next waiter served {served_after:.3f} s after the holder released"
     fence, promoted = line.split()
     assert promoted == "1", line
