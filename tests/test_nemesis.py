@@ -102,13 +102,7 @@ WORKLOAD = ("closed-stdio", "manual-heartbeat", "hang-heartbeat")  # how contend
 # Fault kinds that break an invariant today, per backend, with the tests that show each alone.
 # A default round leaves them out; when a fix lands, delete the entry and the xfail marker.
 KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
-    "local": {
-        "closed-stdio": ("test_closed_stdio_keeps_the_lock", "test_verbose_run_with_stderr_closed_still_runs_command"),
-        "stop-holder": ("test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead",),
-        "kill-holder": ("test_killed_holder_keeps_the_lock_until_command_is_dead",),
-        "stop-waiter": ("test_frozen_waiter_stops_blocking_at_its_wait_deadline",),
-        "kill-command-group": ("test_group_kill_mid_guarded_write_holds_off_the_hand_over",),
-    },
+    "local": {},
     "etcd": {
         "closed-stdio": ("test_verbose_run_with_stderr_closed_still_runs_command",),
         # A lease the holder gives up (missed heartbeat, or one it wrongly thinks missed) is
@@ -972,15 +966,7 @@ def known(backends: list[str], reason: str) -> list[Any]:
     return [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=reason)) if b in backends else b for b in BOTH]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        ["local"],
-        "with fds 0-2 closed the lock file gets a low fd; the holder's detach() dup2()s /dev/null "
-        "over fds 0-2 and so closes it: the flock is gone while COMMAND runs (STYLE 14: fds above 2)",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> None:
     solo = Solo(procs, work)
     solo.start("a", ["--lease-seconds", "3"], ["hold=3"], close="<&- >&- 2>&-")
@@ -994,7 +980,7 @@ def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> 
 @pytest.mark.parametrize(
     "backend",
     known(
-        BOTH,
+        ["etcd"],
         "with fd 2 closed sys.stderr is None and Log._emit raises AttributeError (it suppresses only "
         "OSError/ValueError): pearing-run -v dies with exit 1 after taking a fence, COMMAND never runs",
     ),
@@ -1011,7 +997,7 @@ def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: 
 @pytest.mark.parametrize(
     "backend",
     known(
-        BOTH,
+        ["etcd"],
         "local: the resumed holder renews first, lease.renew raises NotHeld (lease expired), the "
         "holder exits and the kernel frees the flock before COMMAND is stopped. etcd: nobody keeps "
         "the lease alive while the holder is frozen (SPEC: the wrapper must), the next run starts",
@@ -1037,7 +1023,7 @@ def test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead(
 @pytest.mark.parametrize(
     "backend",
     known(
-        BOTH,
+        ["etcd"],
         "kill -9 of the holder frees the lock before COMMAND is stopped: locally the kernel drops "
         "the flock at once, on etcd the wrapper revokes the lease before it sends SIGTERM; the next "
         "run starts while COMMAND is still in its TERM handler (SPEC 7: freed only after it is dead)",
@@ -1062,7 +1048,7 @@ def test_killed_holder_keeps_the_lock_until_command_is_dead(
 @pytest.mark.parametrize(
     "backend",
     known(
-        BOTH,
+        ["etcd"],
         "local: the waiters behind block in the kernel on the frozen waiter's queue entry, which "
         "stays locked while it is stopped. etcd: its key lives on its lease (60 s by default), "
         "long past its 1 s wait. SPEC: a ^Z waiter keeps its place at most until its wait deadline",

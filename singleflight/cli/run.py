@@ -151,11 +151,11 @@ def _skip_if(value: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ensure_std_fds()  # first: no fd of ours may land on 0-2
     args = sys.argv[1:] if argv is None else argv
     # Errors before parsing finishes still honour --log-format json.
     log = Log(PROG, fmt="json" if "--log-format=json" in args or _pair(args, "--log-format", "json") else "text")
     try:
-        ensure_std_fds()
         return run(build_options(args))
     except PearingError as exc:
         log.error(str(exc))
