@@ -8,6 +8,7 @@ path as pearing-run and keeps it after this call returns.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -101,10 +102,21 @@ def _existing(lk: LockOps, t: Ticket, lease_seconds: float, wait_seconds: float)
     """Same request uuid again: never a second ticket, never behind itself; renews a waiting one."""
     if t.state == WAITING:
         # It may have ended (or be just being promoted): reported below as it stands.
-        with contextlib.suppress(NotHeld):
-            t = lk.renew(t.ticket_id, lease_seconds)
-        lk.await_turn(t.ticket_id, wait_seconds)
+        until = time.monotonic() + wait_seconds
+        while True:
+            with contextlib.suppress(NotHeld):
+                t = lk.renew(t.ticket_id, lease_seconds)
+            # The whole wait, whatever the lease: its owner is here, heartbeating it.
+            lk.await_turn(t.ticket_id, max(0.0, min(until - time.monotonic(), _beat(lease_seconds))))
+            cur = lk.read(t.ticket_id)
+            if cur is None or cur.state != WAITING or time.monotonic() >= until:
+                break
     return _outcome(lk, lk.read(t.ticket_id) or t)
+
+
+def _beat(lease_seconds: float) -> float:
+    """How often an owner waiting in acquire-lock heartbeats its waiting ticket."""
+    return max(lease_seconds / 3.0, 0.1)
 
 
 def _start_agent(
@@ -133,9 +145,16 @@ def _start_agent(
     chan = Channel(r, ctl_w)
     deadline = time.monotonic() + _AGENT_START_SECONDS
     last = None
+    beat = math.inf
     try:
         while True:
-            msg = chan.recv_until(deadline)
+            msg = chan.recv_until(min(deadline, beat))
+            if msg is None and not chan.eof and time.monotonic() < deadline:
+                # Waiting in line: the whole wait, whatever the lease (its owner is here).
+                with contextlib.suppress(NotHeld):
+                    lk.renew(t.ticket_id, t.lease_seconds)
+                beat = time.monotonic() + _beat(t.lease_seconds)
+                continue
             if msg is None:
                 break
             if msg.kind == protocol.ERROR:
@@ -146,6 +165,7 @@ def _start_agent(
             last = msg.kind
             if msg.kind == protocol.QUEUED:
                 deadline = time.monotonic() + wait_seconds
+                beat = time.monotonic() + _beat(t.lease_seconds)
                 continue
             break
     except BaseException:

@@ -404,11 +404,10 @@ class Runner:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
         poller.register(chan.rfd, select.POLLIN)
-        # An etcd lease is kept alive by the wrapper too: a holder frozen (SIGSTOP, a swap
-        # storm) must not let the lease lapse into a second COMMAND while ours runs.
-        # With --heartbeat manual the lease's own expiry still carries COMMAND's heartbeats
-        # on etcd, so only the holder may renew it there.
-        every = self.grip.keep_every if self.grip is not None and self.o.heartbeat_auto else None
+        # An etcd lease is kept alive by the wrapper too, whatever the heartbeat mode (heartbeats
+        # are recorded apart from it): a holder frozen (SIGSTOP, a swap storm) must not let the
+        # lease lapse into a second COMMAND while ours runs.
+        every = self.grip.keep_every if self.grip is not None else None
         if self.tty.fd >= 0:
             every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
         timeout = None if every is None else int(every * 1000)

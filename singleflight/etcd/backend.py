@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from singleflight.core.const import (
     CLAIM_BUSY,
     CLAIM_DONE,
     CLAIM_RUN,
+    ENDED_TICKET_RETENTION,
     ENV_BACKEND,
     EXPIRED,
     HELD,
@@ -30,12 +33,23 @@ from singleflight.core.const import (
 from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.core.tokens import Claim, TokenFiles, Verdict, mint_token, token_hash
 from singleflight.etcd import lock as recipe
-from singleflight.etcd.client import Cluster, b64, parse_url
-from singleflight.etcd.lease import EtcdGrip, EtcdLease
-from singleflight.etcd.lock import Mutex, parse_ticket, ttl_of
+from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
+from singleflight.etcd.lease import EtcdGrip, EtcdLease, margin_for
+from singleflight.etcd.lock import (
+    FIRST,
+    WAIT_TTL,
+    Mutex,
+    deadline_mono,
+    margin_of,
+    parse,
+    parse_ticket,
+    stamp_lease,
+    ttl_of,
+)
+from singleflight.etcd.watch import DeleteWatch
 
 _REQUEST_RETENTION = 24 * 3600.0
 # How long a release waits for a holder on this host to let go.
@@ -43,32 +57,69 @@ _RELEASE_WAIT = 10.0
 
 
 class EtcdPlace:
-    def __init__(self, lk: EtcdLock, ticket: Ticket, lease: int, grip: EtcdGrip | None) -> None:
+    """One arrival: the lock at once (``grip``), or a key at the end of the line on a waiting lease."""
+
+    def __init__(
+        self, lk: EtcdLock, ticket: Ticket, lease: int, grip: EtcdGrip | None, kv: dict[str, Any] | None = None
+    ) -> None:
         self.lk, self.ticket, self.lease, self.grip = lk, ticket, lease, grip
+        self.kv = kv  # our key, once in line (a CLI ticket's agent finds it there already)
+        self.waiting_lease = 0
+        self.gone = False
 
     def queue(self, deadline: float) -> int:
-        kvs, _ = self.lk.mutex.queue()
-        keys = [kv["key"] for kv in kvs]
-        mine = self.lk.mutex.q + self.ticket.ticket_id
-        return keys.index(mine) if mine in keys else len(keys)
+        mutex = self.lk.mutex
+        # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
+        self.waiting_lease = self.lk.cluster.grant(WAIT_TTL)
+        if self.kv is None:
+            self.kv, ahead = mutex.join(self.ticket, self.waiting_lease)
+        else:
+            kv, ahead = mutex.rehome(self.kv, self.waiting_lease)
+            self.gone = kv is None  # cancelled (release-lock-ticket) before we got here
+            self.kv = kv or self.kv
+        return max(1, ahead)
 
     def wait(self, deadline: Callable[[], float]) -> EtcdGrip | None:
-        mutex, cluster, tid = self.lk.mutex, self.lk.cluster, self.ticket.ticket_id
-        step_len = ttl_of(self.ticket.lease_seconds) / 3
-        while True:
-            end = deadline()
-            if time.monotonic() >= end:
-                return None
-            # Keep our place: the waiting key's lease is renewed between watches.
-            got = mutex.wait_turn(tid, min(end, time.monotonic() + step_len))
-            if got is not None:
-                self.grip = EtcdGrip(cluster, self.lease, got, ttl_of(self.ticket.lease_seconds))
-                return self.grip
-            if cluster.get(mutex.q + tid) is None or cluster.keepalive(self.lease) <= 0:
-                return None
+        if self.gone or self.kv is None:
+            return None
+
+        end = math.inf
+
+        def until() -> float:
+            nonlocal end
+            end = deadline()  # a cluster read: asked when the wait starts and every tick, not at the hand-over
+            return end
+
+        mutex, kv = self.lk.mutex, self.kv
+        outcome, mine = mutex.wait_first(kv["key"], kv["create_revision"], until, self._tick)
+        if outcome != FIRST or mine is None:
+            return None
+        # A waiter frozen (^Z) past its own deadline and resumed never takes the lock. (A
+        # cancelled ticket is caught by the read that found it first: its key is ended.)
+        if time.monotonic() >= end:
+            return None
+        tid = self.ticket.ticket_id
+        self.grip = EtcdGrip(
+            self.lk.cluster,
+            self.lease,
+            mine,
+            ttl_of(self.ticket.lease_seconds),
+            kept_at=self.lk.kept_at(tid),
+            token=self.lk.token_of(tid),
+            waiting_lease=self.waiting_lease,
+        )
+        return self.grip
+
+    def _tick(self) -> bool:
+        """Every second while waiting: keep our place and the holder's lease. A waiter frozen
+        (^Z) renews neither: its key leaves the line within WAIT_TTL, and once resumed it never
+        takes the lock after its own deadline (``wait``)."""
+        return self.lk.cluster.keepalive(self.waiting_lease) > 0 and self.lk.keep_hold(self.ticket)
 
     def leave(self) -> None:
         if self.grip is None:
+            if self.waiting_lease:
+                self.lk.cluster.revoke(self.waiting_lease)
             self.lk.cluster.revoke(self.lease)
 
 
@@ -80,6 +131,10 @@ class EtcdLock:
         self.cluster = backend.cluster
         self.mutex = Mutex(self.cluster, repo, lock)
         self._leases: dict[str, int] = {}
+        self._kept: dict[str, float] = {}
+        self._adopted: dict[str, dict[str, Any]] = {}
+        self._agents: set[str] = set()  # tickets adopted by their agent (pearing-cli, MCP, Lock)
+        self._minted: dict[str, str] = {}
         self._tokens: TokenFiles | None = None
 
     def close(self) -> None:
@@ -101,10 +156,38 @@ class EtcdLock:
         return self._tokens
 
     def _lease_for(self, ticket: Ticket) -> int:
+        """The holder's lease of the ticket, granted before it joins (the request claim rides on it)."""
         lease = self._leases.get(ticket.ticket_id)
         if lease is None:
+            sent = time.monotonic()
             lease = self._leases[ticket.ticket_id] = self.cluster.grant(ttl_of(ticket.lease_seconds))
+            self._kept[ticket.ticket_id] = sent
         return lease
+
+    def kept_at(self, ticket_id: str) -> float:
+        return self._kept.get(ticket_id, 0.0)
+
+    def _mint(self, ticket: Ticket) -> None:
+        """The run's token, minted as it joins: its hash goes into the key with it, so the
+        hand-over writes nothing before COMMAND starts. Only this process knows the token
+        (and, forked, its holder); nobody can show it before it is held."""
+        token = self._minted[ticket.ticket_id] = mint_token()
+        ticket.token_hash = token_hash(token)
+
+    def token_of(self, ticket_id: str) -> str:
+        return self._minted[ticket_id]
+
+    def keep_hold(self, ticket: Ticket) -> bool:
+        """While waiting: the holder's lease kept alive at TTL/3. False once it lapsed (frozen past it)."""
+        tid = ticket.ticket_id
+        lease, kept = self._leases.get(tid), self._kept.get(tid, 0.0)
+        if lease is None or time.monotonic() - kept < ttl_of(ticket.lease_seconds) / 3:
+            return True
+        sent = time.monotonic()
+        if self.cluster.keepalive(lease) <= 0:
+            return False
+        self._kept[tid] = sent
+        return True
 
     # -- requests ------------------------------------------------------------------------
 
@@ -152,56 +235,68 @@ class EtcdLock:
     # -- acquiring -------------------------------------------------------------------------
 
     def enter(self, ticket: Ticket) -> EtcdPlace:
-        mutex = self.mutex
-        kv = self.cluster.get(mutex.q + ticket.ticket_id)
-        if kv is not None:  # created by pearing-cli acquire-lock: its agent takes over
-            lease = kv["lease"]
-        else:
+        tid = ticket.ticket_id
+        ttl = ttl_of(ticket.lease_seconds)
+        adopted = self._adopted.pop(tid, None)
+        if adopted is None:
+            lease = self._lease_for(ticket)
             ticket.holder_host = ticket.holder_host or os.uname().nodename
-            lease, _ = mutex.enqueue(ticket, self._lease_for(ticket))
-        self._leases[ticket.ticket_id] = lease
-        kvs, _ = mutex.queue()
-        first = bool(kvs) and kvs[0]["key"] == mutex.q + ticket.ticket_id
-        # First in line, once the previous holder's guarded side effects have landed.
-        if first and mutex.wait_guards(time.monotonic()):
-            return EtcdPlace(self, ticket, lease, EtcdGrip(self.cluster, lease, kvs[0], ttl_of(ticket.lease_seconds)))
-        return EtcdPlace(self, ticket, lease, None)
+            self._mint(ticket)
+            # Nobody holds, waits or guards: our key goes straight onto the holder's lease.
+            kv = self.mutex.join_free(ticket, lease)
+            if kv is None:
+                return EtcdPlace(self, ticket, lease, None)
+            grip = EtcdGrip(self.cluster, lease, kv, ttl, kept_at=self._kept[tid], token=self._minted[tid])
+            return EtcdPlace(self, ticket, lease, grip)
+        # Created by pearing-cli acquire-lock, on the holder's lease: its agent takes over.
+        lease = self._leases[tid] = int(adopted["lease"])
+        if self.mutex.first_now(adopted):
+            grip = EtcdGrip(self.cluster, lease, adopted, ttl, kept_at=self._kept[tid], token=self._minted[tid])
+            return EtcdPlace(self, ticket, lease, grip)
+        return EtcdPlace(self, ticket, lease, None, kv=adopted)
 
     def cancel_holder(self, ticket: Ticket) -> float | None:
         """Not yet on etcd: an opted-in holder there is left alone, as one that did not opt in."""
         return None
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
+        """The key is first in line and its token's hash is in it since it joined: nothing to
+        write before COMMAND starts. The holder settles the rest (its lease, pid, deadline)
+        a moment later (``EtcdLease``)."""
+        ttl = ttl_of(ticket.lease_seconds)
         # A request timeout short enough that a dead member cannot hold the holder past its deadline.
-        cluster = Cluster(self.backend.url, timeout=max(0.2, min(1.0, ttl_of(ticket.lease_seconds) / 10)))
+        cluster = Cluster(self.backend.url, timeout=max(0.2, min(1.0, ttl / 10)))
         mutex = Mutex(cluster, self.repo, self.lock)
         kv = grip.kv
-        key, fence = str(kv["key"]), int(str(kv["create_revision"]))
-        token = mint_token()
+        key, fence = str(kv["key"]), int(kv["create_revision"])
         t = parse_ticket(kv["value"])
-        t.state, t.fence, t.promoted = HELD, fence, promoted
+        owner = (t.holder_pid, t.holder_start)  # who waited: pearing-run's wrapper, or the agent itself
+        t.state, t.fence, t.promoted = HELD, fence, promoted or t.promoted
         t.holder_pid, t.holder_start = os.getpid(), proc.start_time(os.getpid())
         t.holder_host = os.uname().nodename
         t.acquired_at = time.time()
-        t.token_hash = token_hash(token)
-        # The token's hash goes into our key (a put keeps its create revision, so the fence),
-        # and the newest fence is remembered, so an older token can be told it was superseded.
-        r = cluster.txn(
-            [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": str(fence)}],
-            [
-                {"request_put": {"key": b64(key), "value": b64(recipe.value(t, grip.lease)), "lease": str(grip.lease)}},
-                {"request_put": {"key": b64(mutex.base + "last"), "value": b64(str(fence))}},
-            ],
-            [],
-        )
-        if not r.get("succeeded"):
-            raise NotHeld(t.ticket_id, "lease expired before the holder took it")
+        t.token_hash = token_hash(grip.token)
+        stamp_lease(t, t.lease_seconds)  # the lease starts now
+        margin = margin_for(ttl, kill_grace, cluster.timeout)
         ticket.fence, ticket.token_hash = fence, t.token_hash
-        driver = EtcdLease(mutex, grip.lease, t, self.tokens, kill_grace)
-        token_file = self.tokens.write(t, token, backend=self.backend.url, lease=str(grip.lease), key=key)
+        driver = EtcdLease(
+            mutex,
+            grip.lease,
+            kv,
+            t,
+            self.tokens,
+            margin=margin,
+            kept_at=grip.kept_at,
+            waiting_lease=grip.waiting_lease,
+            owner=owner,
+        )
+        if t.ticket_id in self._agents:
+            # Its owner (pearing-cli, MCP, Lock) reads the ticket as soon as it is ready.
+            driver.settle()
+        token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
         env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url}
-        return driver, Taken(fence, token, token_file, env)
+        return driver, Taken(fence, grip.token, token_file, env)
 
     # -- the ticket ------------------------------------------------------------------------
 
@@ -211,17 +306,32 @@ class EtcdLock:
         if rec is not None and rec.ticket_id:
             return self._existing(rec.ticket_id)
         ticket.holder_host = os.uname().nodename
-        lease, _ = mutex.enqueue(ticket, self._lease_for(ticket))
+        stamp_lease(ticket, ticket.lease_seconds)  # the waiting ticket's lease: its owner heartbeats it
+        # On the holder's lease until the agent has it (it moves to a waiting lease if it waits).
+        lease = self.cluster.grant(ttl_of(ticket.lease_seconds))
+        # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
+        keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
+        # Created behind a holder, waiter or guard, it waits behind another holder (promoted),
+        # even if that one is gone before the agent gets going.
+        key, copy, bodies = mutex.q + ticket.ticket_id, mutex.t + ticket.ticket_id, []
+        for promoted in (False, True):
+            ticket.promoted = promoted
+            bodies.append(recipe.value(ticket, lease))
+        r = self.cluster.txn(
+            [cmp(mutex.q, "CREATE", "EQUAL", 0, prefix=True), cmp(mutex.g, "CREATE", "EQUAL", 0, prefix=True)],
+            [op_put(key, bodies[0], lease), op_put(copy, bodies[0], keep)],
+            [op_put(key, bodies[1], lease), op_put(copy, bodies[1], keep)],
+        )
+        ticket.promoted = not r.get("succeeded")
         # Only one acquisition per uuid, even when two arrive at once: the uuid record is
         # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
-        keep = self.cluster.grant(int(_REQUEST_RETENTION))
+        retain = self.cluster.grant(int(_REQUEST_RETENTION))
         record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
-        if not mutex.claim_request(ticket.request_uuid, record, keep, None):
+        if not mutex.claim_request(ticket.request_uuid, record, retain, None):
             self.cluster.revoke(lease)
-            self.cluster.revoke(keep)
+            self.cluster.revoke(retain)
             rec, _ = mutex.read_request_kv(ticket.request_uuid)
             return self._existing(rec.ticket_id if rec and rec.ticket_id else ticket.ticket_id)
-        ticket.set_lease(ticket.lease_seconds)
         return ticket
 
     def _existing(self, ticket_id: str) -> Ticket:
@@ -235,21 +345,33 @@ class EtcdLock:
         return found[0] if found else None
 
     def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
-        kv = self.cluster.get(self.mutex.q + ticket_id)
-        if kv is None:
-            return None
-        t = parse_ticket(kv["value"])
-        t.holder_pid, t.holder_start, t.holder_host = pid, proc.start_time(pid), os.uname().nodename
-        self.cluster.put(kv["key"], recipe.value(t, kv["lease"]), kv["lease"])
-        self._leases[ticket_id] = kv["lease"]
-        return t
+        key = self.mutex.q + ticket_id
+        while True:
+            kv = self.cluster.get(key)
+            t = parse(kv["value"]) if kv is not None else None
+            if kv is None or t is None or not t.live:
+                return None
+            sent = time.monotonic()
+            if self.cluster.keepalive(kv["lease"]) <= 0:
+                return None
+            t.holder_pid, t.holder_start, t.holder_host = pid, proc.start_time(pid), os.uname().nodename
+            self._mint(t)
+            body = recipe.value(t, kv["lease"])
+            # Compare-and-swap: the owner may heartbeat the waiting ticket meanwhile.
+            r = self.cluster.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], [])
+            if r.get("succeeded"):
+                self._adopted[ticket_id] = dict(kv, value=body, mod_revision=revision(r))
+                self._agents.add(ticket_id)
+                self._kept[ticket_id] = sent
+                return t
 
     def waiting_deadline(self, ticket_id: str) -> float:
         kv = self.cluster.get(self.mutex.q + ticket_id)
-        if kv is None:
+        t = parse(kv["value"]) if kv is not None else None
+        if t is None or not t.live:
             return 0.0
-        left = self.cluster.ttl(kv["lease"])
-        return time.monotonic() + left if left > 0 else 0.0
+        due = deadline_mono(t)
+        return math.inf if due is None else due
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
@@ -264,7 +386,7 @@ class EtcdLock:
             if release and not t.live:
                 self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
             return None
-        self.mutex.end(t, kv["lease"], state, reason, revoke=release)
+        self.mutex.end(t, kv, state, reason, revoke=release)
         return t
 
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
@@ -275,32 +397,90 @@ class EtcdLock:
         self.tokens.remove(ticket_id)
 
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
-        """Renew the ticket's lease (for the TTL it was granted with)."""
-        found = self.mutex.ticket(ticket_id)
-        if found is None:
-            raise UnknownTicket(ticket_id)
-        t, kv = found
-        if kv is None:
-            raise NotHeld(t.ticket_id, t.describe_end())
-        if self.cluster.keepalive(kv["lease"]) <= 0:
-            raise NotHeld(t.ticket_id, "lease expired")
+        """Heartbeat: the ticket's lease runs ``seconds`` from now, recorded in its key.
+
+        Its holder (or waiting agent) enforces it on its own clock. A lapsed lease is
+        never revived: refused once the recorded deadline has passed.
+        """
+        key = self.mutex.q + ticket_id
+        while True:
+            kv = self.cluster.get(key)
+            if kv is None:
+                raise NotHeld(ticket_id, self._existing(ticket_id).describe_end())
+            t = parse(kv["value"])
+            if t is None:
+                raise UnknownTicket(ticket_id)
+            if not t.live:
+                raise NotHeld(ticket_id, t.describe_end())
+            before = deadline_mono(t)
+            if before is not None and before <= time.monotonic():
+                raise NotHeld(ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
+            stamp_lease(t, seconds)
+            body = recipe.value(
+                t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=recipe.owner_of(kv["value"])
+            )
+            try:
+                r = self.cluster.txn(
+                    [cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], []
+                )
+            except Refused:
+                raise NotHeld(ticket_id, "lease expired") from None
+            if r.get("succeeded"):
+                break
+        if before is not None and (t.lease_deadline_mono or 0) < before and t.holder_host == os.uname().nodename:
+            # A shorter lease than before: the holder sleeps until the deadline it knows,
+            # so make it look now, or the lock would outlive the lease. (Held only: a
+            # waiting agent has no handler for it yet, and re-reads every second anyway.)
+            first = self.mutex.holder()
+            if first is not None and first["key"] == key:
+                proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
         return t
 
     def release(self, ticket_id: str) -> Ticket:
+        """The token dies now; the key stays until its holder (or waiter) lets go.
+
+        Deleting it here would promote the next waiter while a pearing-run COMMAND may still
+        be running (it is stopped first: TERM, the grace, KILL). Its holder sees the end at its
+        next look (at once on this host: poked), and a dead one's lease lapses by itself.
+        """
         found = self.mutex.ticket(ticket_id)
         if found is None:
             raise UnknownTicket(ticket_id)
         t, kv = found
-        if kv is None:
+        if kv is None or not t.live:
             if t.state in (RELEASED, CANCELLED):
                 return t
             raise NotHeld(t.ticket_id, t.describe_end())
+        if t.state == WAITING and self.mutex.cancel(t, kv, "released by owner"):
+            self.tokens.remove(t.ticket_id)
+            return self.read(ticket_id) or t
+        stored = parse(kv["value"])
         final = RELEASED if t.state == HELD else CANCELLED
-        self.mutex.end(t, kv["lease"], final, "released by owner")
+        here = t.holder_host == os.uname().nodename
+        owner = recipe.owner_of(kv["value"])
+        if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*owner):
+            # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
+            # while COMMAND lives: nobody else will let go of the key.
+            self.mutex.end(t, kv, final, "released by owner")
+            self.tokens.remove(t.ticket_id)
+            return self.read(ticket_id) or t
+        self.mutex.end(t, kv, final, "released by owner", revoke=False)
         self.tokens.remove(t.ticket_id)
-        if t.holder_host == os.uname().nodename:
+        if not here:
+            self._await_gone(kv)
+        elif stored is not None and stored.state == HELD:
+            # Only a holder that has settled (its own pid recorded, its handler in place) is poked.
             _poke_and_wait(t)
         return self.read(ticket_id) or t
+
+    def _await_gone(self, kv: dict[str, Any]) -> None:
+        """A holder on another host lets go at its next look (a third of its TTL at most)."""
+        watch = DeleteWatch(self.cluster, kv["key"], kv["mod_revision"])
+        try:
+            if self.cluster.get(kv["key"]) is not None:
+                watch.wait(time.monotonic() + _RELEASE_WAIT)
+        finally:
+            watch.close()
 
     def end_orphan(self, t: Ticket) -> Ticket:
         self.end(t.ticket_id, EXPIRED if t.state == HELD else CANCELLED, "holder gone", only_if_held=False)
@@ -308,39 +488,64 @@ class EtcdLock:
         return self.read(t.ticket_id) or t
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        if self.cluster.get(self.mutex.q + ticket_id) is not None:
-            self.mutex.wait_turn(ticket_id, time.monotonic() + wait_seconds)
+        kv = self.cluster.get(self.mutex.q + ticket_id)
+        if kv is not None:
+            end = time.monotonic() + wait_seconds
+            self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end)
 
     def view(self, t: Ticket) -> dict[str, Any]:
         position = token_file = None
         kv = self.cluster.get(self.mutex.q + t.ticket_id) if t.live else None
         if kv is not None:
-            kvs, _ = self.mutex.queue()
+            kvs, _ = self.mutex.queue(keys_only=True)
             keys = [k["key"] for k in kvs]
             if kv["key"] in keys:
                 i = keys.index(kv["key"])
-                t.state = HELD if i == 0 else WAITING
-                t.fence = kv["create_revision"] if i == 0 else None
-                position = None if i == 0 else i
-            left = self.cluster.ttl(kv["lease"])
-            t.lease_expires_at = time.time() + left if left > 0 else t.lease_expires_at
+                position = self._place(t, kv, i)
             if t.state == HELD and self.tokens.exists(t.ticket_id):
                 token_file = self.tokens.path(t.ticket_id)
         return t.public(activity=self.backend.read_activity(t.identity), queue_position=position, token_file=token_file)
 
+    @staticmethod
+    def _place(t: Ticket, kv: dict[str, Any], i: int) -> int | None:
+        """State and fence from the ticket's place in line (first: held); its queue position."""
+        if t.live:
+            t.state = HELD if i == 0 else WAITING
+        t.fence = kv["create_revision"] if i == 0 else None
+        return None if i == 0 else i
+
     def status(self) -> dict[str, Any]:
         q, _ = self.mutex.queue()
-        holder = self.view(parse_ticket(q[0]["value"])) if q else None
+        entries: list[dict[str, Any]] = []
+        lease_left = None
+        for i, kv in enumerate(q):
+            t = parse(kv["value"])
+            if t is None:
+                # etcdctl lock, Go's concurrency.NewMutex: a holder or waiter of another client's.
+                left = self.cluster.ttl(kv["lease"]) if kv["lease"] else -1
+                entries.append(recipe.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None))
+                if i == 0:
+                    lease_left = float(left) if left >= 0 else None
+                continue
+            position = self._place(t, kv, i)
+            token_file = self.tokens.path(t.ticket_id) if i == 0 and self.tokens.exists(t.ticket_id) else None
+            activity = self.backend.read_activity(t.identity)
+            entries.append(t.public(activity=activity, queue_position=position, token_file=token_file))
+            if i == 0:
+                due = deadline_mono(t)
+                lease_left = round(max(0.0, due - time.monotonic()), 3) if due is not None else None
+        holder = entries[0] if entries else None
         if holder is not None:
-            left = self.cluster.ttl(q[0]["lease"])
-            holder["lease_left"] = float(left) if left > 0 else None
+            holder["lease_left"] = lease_left
         return {
             "lock_name": self.lock,
             "repo": self.repo,
             "state": "held" if q else "free",
             "fence": q[0]["create_revision"] if q else None,
             "holder": holder,
-            "waiters": [self.view(parse_ticket(kv["value"])) for kv in q[1:]],
+            "waiters": entries[1:],
+            # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
+            "etcd_mutex_prefix": self.mutex.prefix,
         }
 
 
@@ -398,7 +603,7 @@ class EtcdBackend:
 
     def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
         prefix = f"{self.cluster.root}{repo}/@" + (f"{lock}/" if lock else "")
-        kvs, _ = self.cluster.range_prefix(prefix)
+        kvs, _ = self.cluster.range_prefix(prefix, keys_only=True)
         found = set()
         for kv in kvs:
             name, _, kind = kv["key"][len(f"{self.cluster.root}{repo}/@") :].partition("/")

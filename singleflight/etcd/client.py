@@ -2,8 +2,8 @@
 
 etcd3gw talks to one member; ``Cluster`` tries the members of
 ``etcd://HOST:PORT[,HOST:PORT...]`` in turn, so a dead member costs one
-connection timeout, not the run. Watches are read in the calling thread from
-the gateway's stream (no watcher threads), so a process can still fork safely.
+connection timeout, not the run. Watches (``watch.py``) are read in the calling
+thread from the gateway's stream (no watcher threads), so a process can still fork.
 Only what the lock recipe needs is here; etcd3gw's ``Lock`` is deliberately not
 used (it never waits, leaks leases, and runs the body when not acquired).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -67,6 +66,29 @@ def prefix_end(prefix: str) -> str:
     return b64(bytes(raw))
 
 
+class Refused(Exception):
+    """The cluster answered, and said no (a lease that no longer exists, a bad request):
+    not a member failure, so no other member is tried."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# gRPC codes that describe the request, not the member: asking another member changes nothing.
+_NOT_FOUND, _INVALID, _FAILED_PRECONDITION, _OUT_OF_RANGE = 5, 3, 9, 11
+_REQUEST_CODES = frozenset({_NOT_FOUND, _INVALID, _FAILED_PRECONDITION, _OUT_OF_RANGE})
+
+
+def _refusal(detail: str | None) -> Refused | None:
+    try:
+        body = json.loads(detail or "")
+        code = int(body.get("code", -1))
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return Refused(code, str(body.get("message") or body.get("error") or "")) if code in _REQUEST_CODES else None
+
+
 class Cluster:
     def __init__(self, url: str, *, timeout: float = 2.0) -> None:
         try:
@@ -80,27 +102,46 @@ class Cluster:
         # Every key lives under this root: locks, requests, activity, the ledger.
         self.root = f"/{prefix}/"
         self.timeout = timeout
-        self._clients = [
-            etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path=API_PATH) for h, p in self.endpoints
-        ]
-        self._current = 0
+        self.api_path = API_PATH
+        self._etcd3gw = etcd3gw
+        # One HTTP session per member, made when first asked (most processes talk to one).
+        self._clients: list[Any] = [None] * len(self.endpoints)
+        self.current = 0  # the member that answered last: requests (and watches) go there first
+
+    def _client(self, k: int) -> Any:
+        if self._clients[k] is None:
+            import requests
+
+            host, port = self.endpoints[k]
+            # Members are reached directly: no proxy, no netrc. requests would otherwise scan
+            # the environment on every request (half a millisecond each, on the hand-over path).
+            session = requests.Session()
+            session.trust_env = False
+            self._clients[k] = self._etcd3gw.Etcd3Client(
+                host=host, port=port, timeout=self.timeout, api_path=API_PATH, session=session
+            )
+        return self._clients[k]
 
     def _call(self, fn: Callable[[Any], _T]) -> _T:
         from etcd3gw import exceptions
 
         errors = []
         for i in range(len(self._clients)):
-            k = (self._current + i) % len(self._clients)
+            k = (self.current + i) % len(self._clients)
             try:
-                result = fn(self._clients[k])
+                result = fn(self._client(k))
             except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError) as exc:
                 errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(exc).__name__}")
                 continue
             except exceptions.Etcd3Exception as exc:
+                refused = _refusal(exc.detail_text)
+                if refused is not None:
+                    self.current = k
+                    raise refused from None
                 # A member that lost quorum answers with an error: try the next one.
-                errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {str(exc)[:80]}")
+                errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {str(exc.detail_text)[:80]}")
                 continue
-            self._current = k
+            self.current = k
             return result
         raise BackendUnavailable(self.url, "; ".join(errors))
 
@@ -109,12 +150,12 @@ class Cluster:
 
     # -- kv ------------------------------------------------------------------
 
-    def range_prefix(self, prefix: str, *, sort_create: bool = True) -> tuple[list[dict[str, Any]], int]:
+    def range_prefix(
+        self, prefix: str, *, sort_create: bool = True, keys_only: bool = False
+    ) -> tuple[list[dict[str, Any]], int]:
         """Keys under ``prefix`` (oldest create revision first) and the store revision."""
-        body: dict[str, Any] = {"key": b64(prefix), "range_end": prefix_end(prefix)}
-        if sort_create:
-            body.update(sort_order="ASCEND", sort_target="CREATE")
-        r = self.post("kv/range", body)
+        body = op_range(prefix, prefix=True, sort="ASCEND" if sort_create else None, keys_only=keys_only)
+        r = self.post("kv/range", body["request_range"])
         return [_kv(kv) for kv in r.get("kvs", [])], int(r["header"]["revision"])
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -147,59 +188,82 @@ class Cluster:
         return int(r.get("result", {}).get("TTL", -1))
 
     def ttl(self, lease: int) -> int:
-        """Seconds left on the lease (-1: gone)."""
+        """Whole seconds left on the lease, rounded down (0: under a second; -1: gone)."""
         return int(self.post("kv/lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
 
     def revoke(self, lease: int) -> None:
-        from etcd3gw import exceptions
-
         # Gone already, or unreachable: then its TTL ends it.
-        with contextlib.suppress(exceptions.Etcd3Exception, BackendUnavailable):
+        with contextlib.suppress(Refused, BackendUnavailable):
             self.post("kv/lease/revoke", {"ID": str(lease)})
 
-    # -- watch -----------------------------------------------------------------
 
-    def wait_deleted(self, key: str, after_revision: int, deadline: float) -> bool:
-        """Block until ``key`` is deleted (at a revision after ``after_revision``) or the deadline.
+# -- request bodies for txn -----------------------------------------------------------
 
-        Reads the gateway's watch stream in this thread; True when the delete was seen.
-        """
-        import requests
 
-        body = {"create_request": {"key": b64(key), "start_revision": str(after_revision + 1), "filters": ["NOPUT"]}}
-        for client in self._rotation():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                resp = client.session.post(
-                    client.get_url("watch"), json=body, stream=True, timeout=(self.timeout, max(0.05, remaining))
-                )
-                try:
-                    for line in resp.iter_lines():
-                        if not line:
-                            continue
-                        result = json.loads(line).get("result", {})
-                        if any(ev.get("type") == "DELETE" for ev in result.get("events", [])):
-                            return True
-                        if time.monotonic() >= deadline:
-                            return False
-                finally:
-                    resp.close()
-            except requests.exceptions.ReadTimeout:
-                return False
-            except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError):
-                continue  # next member
-        raise BackendUnavailable(self.url, "no member answered the watch")
+def cmp(key: str, target: str, result: str, value: int, *, prefix: bool = False) -> dict[str, Any]:
+    """A txn compare on ``key`` (or every key under it): target CREATE / MOD, result EQUAL / GREATER ...
 
-    def _rotation(self) -> list[Any]:
-        n = len(self._clients)
-        return [self._clients[(self._current + i) % n] for i in range(n)]
+    Over a prefix it holds when it holds for every key there (and an empty range
+    compares as revision 0): ``cmp(q, "CREATE", "EQUAL", 0, prefix=True)`` is "nobody in line".
+    """
+    field = {"CREATE": "create_revision", "MOD": "mod_revision"}[target]
+    out = {"key": b64(key), "target": target, "result": result, field: str(value)}
+    if prefix:
+        out["range_end"] = prefix_end(key)
+    return out
+
+
+def op_put(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        body["lease"] = str(lease)
+    return {"request_put": body}
+
+
+def op_delete(key: str) -> dict[str, Any]:
+    return {"request_delete_range": {"key": b64(key)}}
+
+
+def op_range(
+    key: str,
+    *,
+    prefix: bool = False,
+    sort: str | None = None,
+    limit: int = 0,
+    keys_only: bool = False,
+    count_only: bool = False,
+    max_create: int = 0,
+) -> dict[str, Any]:
+    """A range request: ``sort`` ASCEND / DESCEND by create revision."""
+    body: dict[str, Any] = {"key": b64(key)}
+    if prefix:
+        body["range_end"] = prefix_end(key)
+    if sort:
+        body.update(sort_order=sort, sort_target="CREATE")
+    if limit:
+        body["limit"] = str(limit)
+    if keys_only:
+        body["keys_only"] = True
+    if count_only:
+        body["count_only"] = True
+    if max_create:
+        body["max_create_revision"] = str(max_create)
+    return {"request_range": body}
+
+
+def ranged(r: dict[str, Any], i: int) -> tuple[list[dict[str, Any]], int]:
+    """The kvs and count of the ``i``-th response of a txn (a range)."""
+    rr = r.get("responses", [])[i].get("response_range", {})
+    return [_kv(kv) for kv in rr.get("kvs", [])], int(rr.get("count", 0) or 0)
+
+
+def revision(r: dict[str, Any]) -> int:
+    return int(r["header"]["revision"])
 
 
 def _kv(kv: dict[str, Any]) -> dict[str, Any]:
     return {
-        "key": unb64(kv["key"]).decode(),
+        "key": unb64(kv["key"]).decode(errors="replace"),
         "value": unb64(kv.get("value", "")),
         "create_revision": int(kv.get("create_revision", 0)),
         "mod_revision": int(kv.get("mod_revision", 0)),

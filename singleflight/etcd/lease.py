@@ -1,4 +1,12 @@
-"""The holder's lease on etcd: keepalive at TTL/3, and giving up early when cut off."""
+"""The holder's lease on etcd: the ticket's deadline on its own clock, the etcd lease kept
+alive at TTL/3, and giving up early when cut off from the cluster.
+
+Two clocks, two jobs. The ticket's lease (``--lease-seconds`` since the last renewal or
+heartbeat) is recorded in its key's value and enforced here by the holder's own clock,
+exactly as the lock dir does with its ticket record: a heartbeat within every lease
+period is enough, whatever the etcd lease's TTL. The etcd lease only proves the holder
+(and its wrapper) alive: both keep it alive every TTL/3, whatever the heartbeat mode.
+"""
 
 from __future__ import annotations
 
@@ -6,96 +14,269 @@ import contextlib
 import time
 from typing import Any
 
-from singleflight.core.const import RELEASED
+from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
-from singleflight.etcd.client import Cluster
-from singleflight.etcd.lock import Mutex, ttl_of
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
+from singleflight.etcd.lock import Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
+
+# A holder that could not reach the cluster asks again this often, until its cut-off.
+_RETRY = 0.25
+# The holder settles (its lease, pid, deadline into the key) this long after COMMAND started:
+# a write at once would delay the release of a short COMMAND by one more fsync, and until then
+# the key is first in line, kept alive with its waiting lease by both wrapper and holder.
+_SETTLE_AFTER = 0.1
+
+
+def margin_for(ttl: int, kill_grace: float, request_timeout: float) -> float:
+    """How long before the etcd lease can expire a holder cut off from the cluster gives up.
+
+    The cluster expires the lease on its own clock, whatever we do. So we give up early
+    enough for COMMAND to be stopped (SIGTERM, then SIGKILL after the grace, after at most
+    one more request timeout) before the next holder can be promoted: never two COMMANDs
+    at once. Lease >= 3 x (grace + 1.5 s) keeps the whole grace.
+    """
+    return min(kill_grace + 0.5 + request_timeout, ttl / 3)
 
 
 class EtcdGrip:
-    """The ticket's lease, first in line: what the wrapper hands its holder. No fd.
+    """Our key, first in line, its token, and the holder's lease: what the wrapper hands its
+    holder. No fd.
 
-    Wrapper and holder both keep it alive, so a frozen holder cannot let it lapse into a
-    second COMMAND; it is revoked by the holder, or by the wrapper once COMMAND is dead.
+    Wrapper and holder both keep the lease alive, so a frozen holder cannot let it lapse
+    into a second COMMAND; it is revoked by the holder, or by the wrapper once COMMAND is
+    dead. Until the holder has settled, the key may still ride on its waiting lease: that
+    one is kept alive (and revoked) with it.
     """
 
-    def __init__(self, cluster: Cluster, lease: int, kv: dict[str, Any], ttl: int) -> None:
-        self.cluster, self.lease, self.kv = cluster, lease, kv
+    def __init__(
+        self,
+        cluster: Cluster,
+        lease: int,
+        kv: dict[str, Any],
+        ttl: int,
+        *,
+        kept_at: float,
+        token: str,
+        waiting_lease: int = 0,
+    ) -> None:
+        self.cluster, self.lease, self.kv, self.token = cluster, lease, kv, token
+        self.waiting_lease = waiting_lease
+        self.kept_at = kept_at  # when the last keepalive of ``lease`` that succeeded was sent
         self.keep_every: float | None = ttl / 3
 
     def fds(self) -> set[int]:
         return set()
 
     def keep(self) -> None:
-        with contextlib.suppress(BackendUnavailable):
+        with contextlib.suppress(BackendUnavailable, Refused):
             self.cluster.keepalive(self.lease)
+            if self.waiting_lease:
+                self.cluster.keepalive(self.waiting_lease)
 
     def close(self) -> None:
-        """The lease lives in the cluster; the holder revokes it when it hands over."""
+        """The lease lives in the cluster; the holder lets go of the key when it hands over."""
 
     def release(self) -> None:
         self.cluster.revoke(self.lease)
+        if self.waiting_lease:
+            self.cluster.revoke(self.waiting_lease)
 
 
 class EtcdLease:
-    """A held ticket's lease in the cluster, driven by the holder process."""
+    """A held ticket in the cluster, driven by the holder process.
 
-    def __init__(self, mutex: Mutex, lease: int, ticket: Ticket, tokens: TokenFiles, kill_grace: float) -> None:
+    ``ticket.lease_deadline_mono`` is when the holder must look next: the ticket's own
+    deadline, the next keepalive (TTL/3 after the last), or the cut-off (the last
+    keepalive + TTL - margin), whichever comes first; and soon after taking it, to settle:
+    the key moves onto the holder's lease with the holder's pid and deadline. COMMAND starts
+    before that: the key was first in line and its token's hash in it.
+    """
+
+    def __init__(
+        self,
+        mutex: Mutex,
+        lease: int,
+        kv: dict[str, Any],
+        ticket: Ticket,
+        tokens: TokenFiles,
+        *,
+        margin: float,
+        kept_at: float,
+        waiting_lease: int = 0,
+        owner: tuple[int | None, int | None] = (None, None),
+    ) -> None:
         self.mutex, self.lease, self.ticket, self.tokens = mutex, lease, ticket, tokens
+        self.waiting_lease, self.owner = waiting_lease, owner
+        self.key, self.fence, self.mod = str(kv["key"]), int(kv["create_revision"]), int(kv["mod_revision"])
         self.ttl = ttl_of(ticket.lease_seconds)
-        # The cluster expires the lease on its own clock, whatever we do. So we give up
-        # early enough for COMMAND to be stopped (SIGTERM, then SIGKILL after the grace,
-        # after at most one more request timeout) before the next holder can be promoted:
-        # never two COMMANDs at once. Lease >= 3 x (grace + 1 s) keeps the whole grace.
-        self.margin = min(kill_grace + 0.5 + mutex.cluster.timeout, self.ttl / 3)
+        self.margin = margin
+        self.kept_at = kept_at
+        self.deadline = ticket.lease_deadline_mono or time.monotonic()  # the ticket's own
         self.unreachable = False
-        ticket.lease_deadline_mono = time.monotonic() + self.ttl - self.margin
-        ticket.lease_expires_at = time.time() + self.ttl
-        self.renew()
+        self.lapsed = False
+        self.key_gone = False
+        self.settled = False
+        self.ended: bytes | None = None
+        self._schedule()
+        settle_at = time.monotonic() + _SETTLE_AFTER
+        self.ticket.lease_deadline_mono = min(self.ticket.lease_deadline_mono or settle_at, settle_at)
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.mutex.cluster
+
+    def _cut_off(self) -> float:
+        return self.kept_at + self.ttl - self.margin
+
+    def _schedule(self) -> None:
+        cut_off = self._cut_off()
+        # Unreachable: ask again soon. Else: the next keepalive, a third of the TTL after the last.
+        look = min(cut_off, time.monotonic() + _RETRY) if self.unreachable else self.kept_at + self.ttl / 3
+        self.ticket.lease_deadline_mono = min(self.deadline, cut_off, look)
+
+    def _body(self) -> bytes:
+        """The ticket as recorded: its own deadline, not our next look."""
+        look = self.ticket.lease_deadline_mono
+        self.ticket.lease_deadline_mono = self.deadline
+        try:
+            return value(self.ticket, self.lease, margin=self.margin, owner=self.owner)
+        finally:
+            self.ticket.lease_deadline_mono = look
+
+    def _keepalive(self) -> None:
+        sent = time.monotonic()
+        try:
+            ttl = self.cluster.keepalive(self.lease)
+            if self.waiting_lease and not self.settled:
+                self.cluster.keepalive(self.waiting_lease)
+        except BackendUnavailable:
+            self.unreachable = True
+            return  # the cut-off stays where the last keepalive put it
+        self.unreachable = False
+        if ttl <= 0:
+            # Revoked by pearing-cli release-lock-ticket, or expired by the cluster (holder
+            # and wrapper frozen together past the TTL): the next check tells which.
+            self.lapsed = True
+            self.ticket.lease_deadline_mono = sent
+            return
+        # Counted from when we asked: etcd's clock started no earlier.
+        self.kept_at = sent
 
     def renew(self) -> None:
-        sent = time.monotonic()
-        try:
-            ttl = self.mutex.cluster.keepalive(self.lease)
-        except BackendUnavailable:
-            self.unreachable = True
-            return  # the deadline stays where the last keepalive put it
-        self.unreachable = False
-        # Counted from when we asked: etcd's clock started no earlier.
-        self.ticket.lease_deadline_mono = sent + ttl - self.margin if ttl > 0 else 0.0
+        """Auto heartbeat: the ticket's deadline moves on (recorded, for guards), and a keepalive."""
+        stamp_lease(self.ticket, self.ticket.lease_seconds)
+        self.deadline = self.ticket.lease_deadline_mono or time.monotonic()
+        self._keepalive()
+        if self.lapsed:
+            return  # looked at now, by the check it scheduled
+        if not self.unreachable and self.settled:
+            with contextlib.suppress(BackendUnavailable):
+                self._record()
+        self._schedule()
+
+    def _record(self) -> bool:
+        """Write the ticket (its deadline) into our key, on the holder's lease: compare-and-swap,
+        never over an end or a release. False when it was ended or released meanwhile."""
+        for _ in range(3):
+            ops = [op_put(self.key, self._body(), self.lease)]
+            if not self.settled:
+                ops.append(op_put(self.mutex.base + "last", str(self.fence).encode()))
+            try:
+                r = self.cluster.txn([cmp(self.key, "MOD", "EQUAL", self.mod)], ops, [])
+            except Refused:
+                return False  # our lease is gone
+            if r.get("succeeded"):
+                self.mod = revision(r)
+                return True
+            kv = self.cluster.get(self.key)
+            t = parse(kv["value"]) if kv is not None else None
+            if kv is None or t is None or not t.live or kv["create_revision"] != self.fence:
+                return False  # the next check says why
+            # A heartbeat (pearing-cli) came in between: never write back an older deadline.
+            self.mod = kv["mod_revision"]
+            due = deadline_mono(t)
+            if due is not None and due > self.deadline:
+                self.deadline = due
+                self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
+        return False
+
+    def settle(self) -> None:
+        """Soon after COMMAND started: the key moves onto the holder's lease (a put keeps its
+        create revision: the fence), with the holder's pid and deadline; the newest fence is
+        remembered, so an older token can be told it was superseded."""
+        if self._record():
+            self.settled = True
+            if self.waiting_lease:
+                self.cluster.revoke(self.waiting_lease)
+        else:
+            self.lapsed = True  # ended, released or lapsed before we could: the check says which
 
     def check(self) -> str | None:
-        if self.unreachable:
-            return "backend unreachable"  # no more requests: the grace is counting
-        sent = time.monotonic()
+        now = time.monotonic()
+        kv = None
         try:
-            left = self.mutex.cluster.ttl(self.lease)
-            if left > 0 and sent + left - self.margin > time.monotonic():
-                # A manual heartbeat (pearing-cli) extended it in the cluster.
-                self.ticket.lease_deadline_mono = sent + left - self.margin
-                return None
-            if left > 0:
-                return "lease about to expire"
-            now = self.mutex.ticket(self.ticket.ticket_id)
+            if self.unreachable or now >= self.kept_at + self.ttl / 3:
+                self._keepalive()
+            if not self.settled and not self.unreachable and not self.lapsed:
+                self.settle()
+            if not self.unreachable and not self.lapsed:
+                kv = self.cluster.get(self.key)
         except BackendUnavailable:
             self.unreachable = True
-            return "backend unreachable"
-        if now is not None and now[0].state == RELEASED:
-            return RELEASED
-        return "lease expired"
+        if self.unreachable:
+            if now >= self.deadline:
+                return "lease expired"  # nobody could have heartbeated through a cluster we cannot reach
+            if now >= self._cut_off():
+                return "backend unreachable"  # no more requests: the grace is counting
+            self._schedule()
+            return None
+        if kv is None or kv["create_revision"] != self.fence:
+            with contextlib.suppress(BackendUnavailable):
+                found = self.mutex.ticket(self.ticket.ticket_id)
+                if found is not None and found[0].state == RELEASED:
+                    return RELEASED
+            return "lease expired"
+        t = parse(kv["value"])
+        if t is None:
+            return "ticket vanished"
+        self.mod = kv["mod_revision"]
+        if not t.live:
+            return RELEASED if t.state == RELEASED else t.describe_end()
+        due = deadline_mono(t)
+        if due is not None and due <= time.monotonic():
+            return "lease expired"
+        # A heartbeat (pearing-cli, from COMMAND) may have moved it, and with it the lease length.
+        self.deadline = due if due is not None else self.deadline
+        self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
+        self._schedule()
+        return None
 
     def end(self, state: str, reason: str) -> None:
+        """The token dies. Released (COMMAND has ended): the key goes in the same txn, and the next
+        waiter is woken one round trip after COMMAND's end. Otherwise the key stays, marked
+        ended, until ``release``: the lock is ours while COMMAND is being stopped."""
         if self.unreachable:
             return  # stopping COMMAND must not wait on a cluster we cannot reach
-        with contextlib.suppress(BackendUnavailable):
-            self.mutex.end(self.ticket, self.lease, state, reason, revoke=False)
+        t = self.ticket
+        t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        body = self._body()
+        mine = self.mutex.e + t.ticket_id
+        ops = [op_put(mine, body, self.lease), op_put(self.mutex.base + "last", str(self.fence).encode())]
+        ops.append(op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease))
+        with contextlib.suppress(BackendUnavailable, Refused):
+            r = self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], ops, [])
+            if r.get("succeeded"):
+                self.ended = body
+                self.key_gone = state == RELEASED
 
     def keep(self) -> None:
         if not self.unreachable:
-            with contextlib.suppress(BackendUnavailable):
-                self.mutex.cluster.keepalive(self.lease)
+            with contextlib.suppress(BackendUnavailable, Refused):
+                self.cluster.keepalive(self.lease)
+                if self.waiting_lease and not self.settled:
+                    self.cluster.keepalive(self.waiting_lease)
 
     def prepare_request(self, window: float) -> None:
         """A cluster does not run out of disk under one run: nothing to prepare."""
@@ -113,8 +294,18 @@ class EtcdLease:
         self.tokens.remove(self.ticket.ticket_id)
 
     def release(self) -> None:
-        """Revoke the lease: the key goes and the next waiter is promoted."""
-        self.mutex.cluster.revoke(self.lease)
+        """Our key goes: the next waiter is promoted now. (Unreachable: its lease lapses.)"""
+        if self.key_gone:
+            return
+        with contextlib.suppress(BackendUnavailable, Refused):
+            self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], [op_delete(self.key)], [])
 
     def housekeeping(self) -> None:
-        """Ended tickets and request records expire on their own leases."""
+        """After the hand-over: the end record moves to an hour's lease, and ours goes."""
+        with contextlib.suppress(BackendUnavailable, Refused):
+            if self.ended is not None:
+                keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
+                self.cluster.put(self.mutex.e + self.ticket.ticket_id, self.ended, keep)
+            self.cluster.revoke(self.lease)
+            if self.waiting_lease and not self.settled:
+                self.cluster.revoke(self.waiting_lease)

@@ -1,22 +1,36 @@
-"""The lock recipe on etcd, after etcd's own ``client/v3/concurrency/mutex.go``.
+"""The lock recipe on etcd: etcd's own ``client/v3/concurrency/mutex.go``, on its prefix.
 
 Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
 
-    /PREFIX/SCOPE/@LOCK/q/TICKET     one key per ticket, on the ticket's lease, created
-                                     in a txn only if absent; the holder is the key with
-                                     the lowest create revision (FIFO for free), and that
-                                     revision is the fence
-    /PREFIX/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new holder waits
-                                     for these to go before it proceeds
+    /PREFIX/SCOPE/@LOCK/q/...        the queue: the etcd concurrency-mutex prefix
+                                     ``/PREFIX/SCOPE/@LOCK/q`` (what ``etcdctl lock`` and
+                                     Go's ``concurrency.NewMutex`` take). The holder is the
+                                     key with the lowest create revision, FIFO for free, and
+                                     that revision is its fence. Ours are ``q/TICKET`` (the
+                                     ticket as JSON); etcd's clients write ``q/LEASEHEX``
+                                     with an empty value: foreign holders and waiters.
+    /PREFIX/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new pearing holder
+                                     waits for these to go before it proceeds
     /PREFIX/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
-    /PREFIX/SCOPE/@LOCK/t/TICKET     the ticket as created, kept an hour (a lapsed lease reads expired)
+    /PREFIX/SCOPE/@LOCK/t/TICKET     a CLI ticket as created, kept an hour (a lapsed lease reads expired)
     /PREFIX/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
     /PREFIX/SCOPE/@LOCK/s            the last successful start (--min-interval)
+    /PREFIX/SCOPE/@LOCK/last         the newest fence (tells an old token it was superseded)
     /PREFIX/activity/IDENTITY        update-user-activity
     /PREFIX/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
 
-A waiter watches only the key just ahead of it, from the revision it read the
-queue at, then re-reads the queue (and checks its own key still exists).
+A ticket's key has two leases in its life. While it waits it rides on a short
+waiting lease (``WAIT_TTL``) that its waiter keeps alive, so a waiter killed with -9
+leaves the line within seconds. The holder's lease (the run's ``--lease-seconds``) is
+granted before joining and kept alive meanwhile; on promotion the key is put again on
+it (a put keeps the create revision: the fence does not change). An arrival that
+finds nobody in line joins straight on the holder's lease: one grant and one txn, as
+``etcdctl lock`` does.
+
+The ticket's lease *deadline* (``--lease-seconds`` since the last renewal or
+heartbeat) is not the etcd lease's TTL: it is recorded in the key's value and
+enforced by the holder on its own clock, while the etcd lease only proves that the
+holder (or its wrapper) is alive and reaches the cluster.
 """
 
 from __future__ import annotations
@@ -25,12 +39,22 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.core import proc
+from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
 from singleflight.core.errors import CorruptRecord
-from singleflight.core.ticket import RequestRecord, Ticket
-from singleflight.etcd.client import Cluster, b64
+from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
+from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.etcd.watch import DeleteWatch
+
+# A waiter's key lives this long after its waiter stops renewing it (killed, frozen).
+WAIT_TTL = 3
+# How often a waiter renews its leases and re-asks its deadline.
+WAIT_TICK = 1.0
+
+FIRST, GONE, TIMEOUT = "first", "gone", "timeout"
 
 
 def ttl_of(seconds: float) -> int:
@@ -44,56 +68,175 @@ class Mutex:
         self.base = f"{cluster.root}{repo}/@{lock}/"
         self.q, self.g, self.e, self.r, self.t = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/"))
 
-    # -- queue ---------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        """The etcd concurrency-mutex prefix of this lock: ``etcdctl lock`` takes it as NAME."""
+        return self.q[:-1]
 
-    def enqueue(self, t: Ticket, lease: int = 0) -> tuple[int, int]:
-        """Create the ticket's key on its lease (a fresh one unless given); (lease id, revision)."""
-        lease = lease or self.cluster.grant(ttl_of(t.lease_seconds))
-        # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
-        keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        key, body = self.q + t.ticket_id, b64(value(t, lease))
+    # -- joining ---------------------------------------------------------------
+
+    def join_free(self, t: Ticket, lease: int) -> dict[str, Any] | None:
+        """Our key on the holder's ``lease`` if nobody holds, waits or guards (one txn); its kv or None."""
+        key, body = self.q + t.ticket_id, value(t, lease)
         r = self.cluster.txn(
-            [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
-            [
-                {"request_put": {"key": b64(key), "value": body, "lease": str(lease)}},
-                {"request_put": {"key": b64(self.t + t.ticket_id), "value": body, "lease": str(keep)}},
-            ],
+            [cmp(self.q, "CREATE", "EQUAL", 0, prefix=True), cmp(self.g, "CREATE", "EQUAL", 0, prefix=True)],
+            [op_put(key, body, lease)],
             [],
         )
         if not r.get("succeeded"):
-            self.cluster.revoke(lease)
+            return None
+        rev = revision(r)
+        return {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
+
+    def join(self, t: Ticket, lease: int) -> tuple[dict[str, Any], int]:
+        """Our new key at the end of the line, on the waiting ``lease``: (kv, how many are ahead).
+
+        Recorded as promoted: if it is ever held, it waited behind another holder."""
+        t.promoted = True
+        key, body = self.q + t.ticket_id, value(t, lease)
+        r = self.cluster.txn(
+            [cmp(key, "CREATE", "EQUAL", 0)],
+            # The count comes first: it sees the line as it was before our key.
+            [op_range(self.q, prefix=True, count_only=True), op_put(key, body, lease)],
+            [],
+        )
+        if not r.get("succeeded"):
             raise RuntimeError(f"ticket key {key} already exists")
-        return lease, int(r["header"]["revision"])
+        rev = revision(r)
+        kv = {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
+        return kv, ranged(r, 0)[1]
 
-    def queue(self) -> tuple[list[dict[str, Any]], int]:
-        return self.cluster.range_prefix(self.q)
+    def first_now(self, kv: dict[str, Any]) -> bool:
+        """Is our (existing) key first in line with no guard in flight? One txn, no write."""
+        r = self.cluster.txn(
+            [
+                cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"]),
+                cmp(self.q, "CREATE", "GREATER", kv["create_revision"] - 1, prefix=True),
+                cmp(self.g, "CREATE", "EQUAL", 0, prefix=True),
+            ],
+            [],
+            [],
+        )
+        return bool(r.get("succeeded"))
 
-    def holder(self) -> dict[str, Any] | None:
-        kvs, _ = self.queue()
-        return kvs[0] if kvs else None
+    def rehome(self, kv: dict[str, Any], lease: int) -> tuple[dict[str, Any] | None, int]:
+        """Put our key on ``lease`` (same value, same create revision): (kv or None if gone, ahead).
 
-    def wait_turn(self, ticket_id: str, deadline: float) -> dict[str, Any] | None:
-        """Block until our key is the oldest (its kv), our key is gone, or the deadline (None)."""
-        mine = self.q + ticket_id
+        Compare-and-swap on its mod revision: an owner's heartbeat in between is kept.
+        """
         while True:
-            kvs, rev = self.queue()
-            keys = [kv["key"] for kv in kvs]
-            if mine not in keys:
-                return None
-            i = keys.index(mine)
-            if i == 0:
-                return kvs[0] if self.wait_guards(deadline) else None
-            if not self.cluster.wait_deleted(keys[i - 1], rev, deadline):
-                return None
+            rev = kv["create_revision"]
+            t = parse(kv["value"])
+            if t is not None:
+                t.promoted = True  # if it is ever held, it waited behind another holder
+            body = value(t, lease) if t is not None else kv["value"]
+            r = self.cluster.txn(
+                [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])],
+                [
+                    op_put(kv["key"], body, lease),
+                    op_range(self.q, prefix=True, count_only=True, max_create=rev - 1),
+                ],
+                [op_range(kv["key"])],
+            )
+            if r.get("succeeded"):
+                return dict(kv, value=body, mod_revision=revision(r), lease=lease), ranged(r, 1)[1]
+            fresh = ranged(r, 0)[0]
+            if not fresh or fresh[0]["create_revision"] != rev:
+                return None, 0
+            kv = fresh[0]
 
-    def wait_guards(self, deadline: float) -> bool:
-        """A guarded side effect of the previous holder lands before we proceed."""
+    # -- waiting -----------------------------------------------------------------
+
+    def ahead(self, key: str, rev: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool, int]:
+        """(the key just ahead of ours, our kv, a guard in flight?, the store revision): one read."""
+        r = self.cluster.txn(
+            [],
+            [
+                op_range(self.q, prefix=True, sort="DESCEND", limit=1, keys_only=True, max_create=rev - 1),
+                op_range(key),
+                op_range(self.g, prefix=True, limit=1, keys_only=True),
+            ],
+            [],
+        )
+        pred, mine, guards = ranged(r, 0)[0], ranged(r, 1)[0], ranged(r, 2)[0]
+        return (pred[0] if pred else None), (mine[0] if mine else None), bool(guards), revision(r)
+
+    def wait_first(
+        self,
+        key: str,
+        rev: int,
+        until: Callable[[], float],
+        tick: Callable[[], bool] | None = None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Block until our key is first in line (FIRST, its kv), gone or ended (GONE), or ``until()``.
+
+        Like mutex.go, we watch only the key just ahead of ours, from the revision we saw
+        it at, and look again when it goes: that one read also says whether our own key is
+        still live and whether a guarded side effect of the previous holder is in flight.
+        Every ``WAIT_TICK`` ``tick()`` renews the waiter's leases (False: ours is gone) and
+        ``until()`` is asked again (a heartbeat may have moved it); the watch moves to the
+        member that answered.
+        """
+        end = until()
         while True:
-            guards, rev = self.cluster.range_prefix(self.g)
+            pred, mine, guarded, at = self.ahead(key, rev)
+            t = parse(mine["value"]) if mine is not None else None
+            if mine is None or (t is not None and not t.live):
+                return GONE, None
+            if pred is None and not guarded:
+                return FIRST, mine
+            if pred is None:
+                if not self.wait_guards(end, tick):
+                    return TIMEOUT, None
+                continue
+            watch = DeleteWatch(self.cluster, pred["key"], at)
+            try:
+                while not watch.deleted:
+                    now = time.monotonic()
+                    if now >= end:
+                        return TIMEOUT, None
+                    next_tick = now + WAIT_TICK
+                    if watch.wait(min(end, next_tick)) or time.monotonic() < next_tick:
+                        continue
+                    if tick is not None:
+                        if not tick():
+                            return GONE, None
+                    elif self.cluster.get(pred["key"]) is None:
+                        break  # the stream's member may be cut off: we asked another
+                    watch.follow(self.cluster.current)
+                    end = until()
+            finally:
+                watch.close()
+
+    def wait_guards(self, deadline: float, tick: Callable[[], bool] | None = None) -> bool:
+        """A guarded side effect of the previous holder lands before we proceed (False: the
+        deadline passed first, or ``tick`` said our place is gone)."""
+        while True:
+            guards, at = self.cluster.range_prefix(self.g, keys_only=True)
             if not guards:
                 return True
-            if not self.cluster.wait_deleted(guards[0]["key"], rev, deadline):
-                return False
+            watch = DeleteWatch(self.cluster, guards[0]["key"], at)
+            try:
+                while not watch.deleted:
+                    if time.monotonic() >= deadline:
+                        return False
+                    if not watch.wait(min(deadline, time.monotonic() + WAIT_TICK)):
+                        if tick is not None and not tick():
+                            return False
+                        break  # look again: it may have lapsed unseen on a dead member
+            finally:
+                watch.close()
+
+    # -- the queue as it stands ------------------------------------------------------
+
+    def queue(self, *, keys_only: bool = False) -> tuple[list[dict[str, Any]], int]:
+        return self.cluster.range_prefix(self.q, keys_only=keys_only)
+
+    def holder(self) -> dict[str, Any] | None:
+        """The first key in line (key and create revision only)."""
+        r = self.cluster.txn([], [op_range(self.q, prefix=True, sort="ASCEND", limit=1, keys_only=True)], [])
+        kvs = ranged(r, 0)[0]
+        return kvs[0] if kvs else None
 
     # -- tickets ---------------------------------------------------------------
 
@@ -101,7 +244,9 @@ class Mutex:
         """The ticket as it stands now (state from the queue), and its queue key."""
         kv = self.cluster.get(self.q + ticket_id)
         if kv is not None:
-            t = parse_ticket(kv["value"])
+            t = parse(kv["value"])
+            if t is None:
+                return None  # a key of another client's, not a ticket
             if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
                 return t, kv
             first = self.holder()
@@ -110,35 +255,52 @@ class Mutex:
             t.fence = kv["create_revision"] if held else None
             return t, kv
         ended = self.cluster.get(self.e + ticket_id)
-        if ended:
-            return parse_ticket(ended["value"]), None
+        if ended and (t := parse(ended["value"])) is not None:
+            return t, None
         copy = self.cluster.get(self.t + ticket_id)
-        if copy is None:
+        if copy is None or (t := parse(copy["value"])) is None:
             return None
-        t = parse_ticket(copy["value"])  # its lease lapsed without an end record
-        t.state, t.end_reason = EXPIRED, "lease expired"
+        t.state, t.end_reason = EXPIRED, "lease expired"  # its lease lapsed without an end record
         return t, None
 
-    def end(self, t: Ticket, lease: int, state: str, reason: str, *, revoke: bool = True) -> None:
+    def end(self, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
         """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
         promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
         t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        lease = int(kv["lease"])
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        body = b64(value(t, lease))
+        body = value(t, lease)
+        ended = op_put(self.e + t.ticket_id, body, keep)
+        # Only over the very key we read: a put on a key that lapsed meanwhile would make a new one.
         self.cluster.txn(
-            [],
-            [
-                {"request_put": {"key": b64(self.e + t.ticket_id), "value": body, "lease": str(keep)}},
-                *(
-                    []
-                    if revoke
-                    else [{"request_put": {"key": b64(self.q + t.ticket_id), "value": body, "lease": str(lease)}}]
-                ),
-            ],
-            [],
+            [cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"])],
+            [ended] if revoke else [ended, op_put(kv["key"], body, lease)],
+            [ended],
         )
         if revoke:
             self.cluster.revoke(lease)
+
+    def cancel(self, t: Ticket, kv: dict[str, Any], reason: str) -> bool:
+        """Take a waiting ticket out of the line now, only while someone is still ahead of it:
+        one that reached the head may be starting its COMMAND. False: it is first (or gone)."""
+        keep = 0
+        for _ in range(5):
+            pred, mine, _, _ = self.ahead(kv["key"], kv["create_revision"])
+            if pred is None or mine is None:
+                return mine is None
+            keep = keep or self.cluster.grant(int(ENDED_TICKET_RETENTION))
+            t.state, t.end_reason, t.ended_at = CANCELLED, reason, time.time()
+            r = self.cluster.txn(
+                [
+                    cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),
+                    cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"]),
+                ],
+                [op_put(self.e + t.ticket_id, value(t, int(kv["lease"])), keep), op_delete(kv["key"])],
+                [],
+            )
+            if r.get("succeeded"):
+                return True
+        return False
 
     # -- the last successful start (--min-interval), across hosts -------------------
 
@@ -147,12 +309,12 @@ class Mutex:
         if kv is None:
             return None
         try:
-            value = json.loads(kv["value"])["started_at"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            started = json.loads(kv["value"])["started_at"]
+            if isinstance(started, bool) or not isinstance(started, (int, float)):
                 raise TypeError("started_at is not a number")
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptRecord(f"etcd:{self.base}s", f"not a success record: {exc}") from None
-        return float(value)
+        return float(started)
 
     def write_last_success(self, started_at: float, ticket_id: str) -> None:
         self.cluster.put(self.base + "s", json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode())
@@ -175,21 +337,21 @@ class Mutex:
         The claim rides on the claimant's ticket lease: if the claimant dies, its claim
         goes with it, and a replay may run again; while it lives, replays see it.
         """
-        key = b64(self.r + uuid)
-        cmp = (
-            {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(seen["mod_revision"])}
-            if seen
-            else {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
-        )
-        put = {"request_put": {"key": key, "value": b64(record.to_json()), "lease": str(lease)}}
-        return bool(self.cluster.txn([cmp], [put], []).get("succeeded"))
+        key = self.r + uuid
+        check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
+        return bool(self.cluster.txn([check], [op_put(key, record.to_json(), lease)], []).get("succeeded"))
 
     def write_request(self, uuid: str, record: RequestRecord, ttl: float) -> None:
         keep = self.cluster.grant(ttl_of(ttl))
         self.cluster.put(self.r + uuid, record.to_json(), keep)
 
 
-def value(t: Ticket, lease: int) -> bytes:
+# -- the ticket as a key's value ---------------------------------------------------------
+
+
+def value(
+    t: Ticket, lease: int, *, margin: float | None = None, owner: tuple[int | None, int | None] = (None, None)
+) -> bytes:
     obj = {name: getattr(t, name) for name in ("ticket_id", "request_uuid", "lock_name", "repo", "identity")}
     obj.update(
         state=t.state,
@@ -205,37 +367,156 @@ def value(t: Ticket, lease: int) -> bytes:
         ended_at=t.ended_at,
         end_reason=t.end_reason,
         fence=t.fence,
+        # The lease deadline, on the wall clock for other hosts and on the monotonic
+        # clock of the boot that set it (immune to clock jumps on the same host).
+        lease_expires_at=t.lease_expires_at,
+        lease_deadline_mono=t.lease_deadline_mono,
+        boot_id=t.boot_id,
+        # How early a holder cut off from the cluster gives up: a guard judges the same way.
+        margin=margin,
+        # pearing-run's wrapper: it keeps the lease while COMMAND lives, even if the holder died.
+        owner_pid=owner[0],
+        owner_start=owner[1],
     )
     return json.dumps(obj).encode()
 
 
+def parse(raw: bytes) -> Ticket | None:
+    """The ticket in a key's value; None for a key pearing did not write (``etcdctl lock``'s
+    keys have an empty value): never an error, so another client's key cannot crash us."""
+    try:
+        return Ticket.from_dict(json.loads(raw))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return None
+
+
 def parse_ticket(raw: bytes) -> Ticket:
-    return Ticket.from_dict(json.loads(raw))
+    t = parse(raw)
+    if t is None:
+        raise CorruptRecord("etcd", "not a ticket")
+    return t
+
+
+def owner_of(raw: bytes) -> tuple[int | None, int | None]:
+    try:
+        obj = json.loads(raw)
+        pid, start = obj.get("owner_pid"), obj.get("owner_start")
+    except (ValueError, AttributeError):
+        return None, None
+    ok = isinstance(pid, int) and isinstance(start, int)
+    return (pid, start) if ok else (None, None)
+
+
+def margin_of(raw: bytes) -> float:
+    try:
+        m = json.loads(raw).get("margin")
+    except (ValueError, AttributeError):
+        return 0.0
+    return float(m) if isinstance(m, (int, float)) and not isinstance(m, bool) else 0.0
+
+
+def stamp_lease(t: Ticket, seconds: float) -> None:
+    """The ticket's lease runs ``seconds`` from now, on this host's clocks."""
+    t.set_lease(seconds)
+    t.boot_id = proc.boot_id()
+
+
+def deadline_mono(t: Ticket) -> float | None:
+    """The ticket's recorded lease deadline on this host's monotonic clock (None: none recorded).
+
+    Set on this boot: its monotonic stamp, exact. Set on another host: its wall-clock
+    expiry, which is as good as the two clocks agree (keep them in sync: NTP).
+    """
+    if t.lease_deadline_mono is not None and t.boot_id and t.boot_id == proc.boot_id():
+        return t.lease_deadline_mono
+    if t.lease_expires_at is not None:
+        return time.monotonic() + (t.lease_expires_at - time.time())
+    return None
+
+
+def foreign(kv: dict[str, Any], position: int, repo: str, lock: str, lease_left: float | None) -> dict[str, Any]:
+    """A key another client wrote under our queue prefix (``etcdctl lock``, Go's NewMutex): shown
+    as a holder or waiter of its own, named by its etcd lease."""
+    holder = position == 0
+    return {
+        "ticket_id": None,
+        "request_uuid": None,
+        "lock_name": lock,
+        "repo": repo,
+        "identity": f"etcd-lease:{kv['lease']:x}",
+        "state": HELD if holder else WAITING,
+        "fence": kv["create_revision"] if holder else None,
+        "lease_seconds": None,
+        "lease_expires_at": rfc3339(time.time() + lease_left) if lease_left is not None else None,
+        "holder_pid": None,
+        "holder_host": None,
+        "promoted": None,
+        "created_at": None,
+        "acquired_at": None,
+        "ended_at": None,
+        "end_reason": None,
+        "queue_position": None if holder else position,
+        "activity": None,
+        "etcd_key": kv["key"],
+        "foreign": True,
+    }
+
+
+# -- the guard's side --------------------------------------------------------------------
 
 
 def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: str) -> tuple[bool, str, int | None]:
-    """(live, reason, fence) for a token of a ticket held in etcd."""
+    """(live, reason, fence) for a token of a ticket held in etcd.
+
+    Live means what the holder itself believes: our key first in line, its token not
+    ended, its recorded lease deadline not passed, and its etcd lease further from
+    expiry than the margin at which a holder cut off from the cluster gives up.
+    """
     import hmac
 
     el = Mutex(cluster, repo, lock)
-    kvs, _ = el.queue()
-    mine = next((kv for kv in kvs if kv["key"] == el.q + ticket_id), None)
-    if mine is None:
-        ended = cluster.get(el.e + ticket_id)
-        t = parse_ticket(ended["value"]) if ended else None
+    r = cluster.txn(
+        [],
+        [
+            op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True),
+            op_range(el.q + ticket_id),
+            op_range(el.e + ticket_id),
+            op_range(el.base + "last"),
+        ],
+        [],
+    )
+    (first, _), (mine, _), (ended, _), (last, _) = (ranged(r, i) for i in range(4))
+    if not mine:
+        t = parse(ended[0]["value"]) if ended else None
         if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
-            last = cluster.get(el.base + "last")
-            newer = kvs[0]["create_revision"] if kvs else int(last["value"]) if last else None
+            newer = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
             if newer is not None and t.fence is not None and newer > t.fence:
                 return False, f"superseded by fence {newer}", t.fence
             return False, f"{t.state} ({t.end_reason})", t.fence
         return False, "unknown or forged token (or its lease expired)", None
-    t = parse_ticket(mine["value"])
-    if not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
+    kv = mine[0]
+    t = parse(kv["value"])
+    if t is None or not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
         return False, "unknown or forged token", None
-    if kvs[0] is not mine:
+    fence = kv["create_revision"]
+    if first[0]["key"] != kv["key"]:
         return False, "not the holder: waiting in line", None
-    return True, "live", mine["create_revision"]
+    if not t.live:
+        return False, t.describe_end(), fence
+    due = deadline_mono(t)
+    if due is not None and due <= time.monotonic():
+        return False, f"lease expired at {rfc3339(t.lease_expires_at)}", fence
+    left = cluster.ttl(kv["lease"])  # whole seconds, rounded down
+    if left <= margin_of(kv["value"]):
+        return False, "lease expired: its holder cannot reach the cluster", fence
+    return True, "live", fence
+
+
+def _int(raw: bytes) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
@@ -250,21 +531,17 @@ def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
             raise StaleFence(resource, fence, highest)
         if fence == highest:
             return fence
-        cmp = (
-            {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(kv["mod_revision"])}
-            if kv
-            else {"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
-        )
-        r = cluster.txn([cmp], [{"request_put": {"key": b64(key), "value": b64(str(fence))}}], [])
-        if r.get("succeeded"):
+        check = cmp(key, "MOD", "EQUAL", kv["mod_revision"]) if kv else cmp(key, "CREATE", "EQUAL", 0)
+        if cluster.txn([check], [op_put(key, str(fence).encode())], []).get("succeeded"):
             return fence
 
 
 def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: float) -> tuple[str, int] | None:
     """Register an in-flight guarded command, only while our ticket key exists.
 
-    A new holder waits for these keys to go (Mutex.wait_guards), so the side
-    effect lands before the next holder proceeds. Returns (key, lease) or None.
+    A new pearing holder waits for these keys to go (``EtcdLock.take``), so the side
+    effect lands before the next holder proceeds. etcd's own lock clients know nothing
+    of them. Returns (key, lease) or None.
     """
     import uuid
 
@@ -272,8 +549,8 @@ def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: 
     lease = cluster.grant(ttl_of(seconds + 2))
     key = el.g + str(uuid.uuid4())
     r = cluster.txn(
-        [{"key": b64(el.q + ticket_id), "result": "GREATER", "target": "CREATE", "create_revision": "0"}],
-        [{"request_put": {"key": b64(key), "value": b64(ticket_id), "lease": str(lease)}}],
+        [cmp(el.q + ticket_id, "CREATE", "GREATER", 0)],
+        [op_put(key, ticket_id.encode(), lease)],
         [],
     )
     if not r.get("succeeded"):

@@ -1,0 +1,227 @@
+"""A watch that lasts: the gateway's event stream read from a plain socket, with failover.
+
+The grpc-gateway answers ``POST /v3/watch`` with a chunked HTTP response that never
+ends, one JSON message per line. Read through ``requests``, a pause longer than the
+read timeout surfaced as a ConnectionError, which looked like a dead member: a waiter
+gave up as "unreachable" after a third of its lease while the cluster was healthy.
+Here the socket is only read when ``select`` says so, so a quiet stream is just a
+quiet stream, however long the wait; a stream that breaks (the member died or was
+restarted) is re-opened on the next member from the last revision seen, so no event
+is lost; and only a full round of members that all refuse is "unreachable".
+
+No threads: the waiter forks its holder right after the wait, and a process that
+forks must not have other threads.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import select
+import socket
+import time
+from typing import Any, Protocol
+
+from singleflight.core.errors import BackendUnavailable
+
+
+class Members(Protocol):
+    """What a watch needs of the cluster client (``client.Cluster``)."""
+
+    url: str
+    endpoints: list[tuple[str, int]]
+    api_path: str
+    timeout: float
+    current: int  # the member that answered last
+
+
+_READ = 65536
+# An answer to the watch request larger than this is not the gateway's.
+_MAX_HEADER = 16384
+
+
+class StreamBroken(Exception):
+    """The stream ended or failed: re-open it (on another member)."""
+
+
+class Stream:
+    """One watch request on one member, read without blocking."""
+
+    def __init__(self, host: str, port: int, path: str, body: dict[str, Any], connect_timeout: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            payload = json.dumps(body).encode()
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n"
+            )
+            self.sock.sendall(head.encode() + payload)
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+        self._raw = bytearray()  # bytes not yet parsed as HTTP
+        self._body = bytearray()  # de-chunked bytes not yet split into lines
+        self._headers_done = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def read(self) -> list[dict[str, Any]]:
+        """The messages that arrived (call when the socket is readable); StreamBroken at its end."""
+        try:
+            data = self.sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            raise StreamBroken(str(exc)) from None
+        if not data:
+            raise StreamBroken("closed by the member")
+        self._raw += data
+        if not self._headers_done and not self._parse_headers():
+            return []
+        self._dechunk()
+        out = []
+        while (nl := self._body.find(b"\n")) >= 0:
+            line = bytes(self._body[:nl]).strip()
+            del self._body[: nl + 1]
+            if not line:
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                raise StreamBroken(f"not a watch message: {line[:80]!r}") from None
+            if "error" in msg or not isinstance(msg.get("result"), dict):
+                raise StreamBroken(f"watch failed: {str(msg.get('error'))[:120]}")
+            out.append(msg["result"])
+        return out
+
+    def _parse_headers(self) -> bool:
+        end = self._raw.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._raw) > _MAX_HEADER:
+                raise StreamBroken("no HTTP answer")
+            return False
+        head = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
+        status = head[0].split(" ", 2)
+        if len(status) < 2 or status[1] != "200":
+            raise StreamBroken(f"watch refused: {head[0][:80]}")
+        if not any(h.lower().replace(" ", "") == "transfer-encoding:chunked" for h in head[1:]):
+            raise StreamBroken("watch answer is not a stream")
+        del self._raw[: end + 4]
+        self._headers_done = True
+        return True
+
+    def _dechunk(self) -> None:
+        while True:
+            nl = self._raw.find(b"\r\n")
+            if nl < 0:
+                return
+            try:
+                size = int(bytes(self._raw[:nl]).split(b";")[0], 16)
+            except ValueError:
+                raise StreamBroken("bad chunk") from None
+            if size == 0:
+                raise StreamBroken("stream ended")
+            if len(self._raw) < nl + 2 + size + 2:
+                return
+            self._body += self._raw[nl + 2 : nl + 2 + size]
+            del self._raw[: nl + 2 + size + 2]
+
+
+class DeleteWatch:
+    """Deletions of one key after a revision, on whichever member answers.
+
+    ``wait(until)`` blocks until the key is deleted (True) or ``until`` (monotonic)
+    passes (False). ``follow(i)`` moves the stream to member ``i`` (the one the
+    unary requests found alive), resuming from the last revision seen.
+    """
+
+    def __init__(self, cluster: Members, key: str, after_revision: int) -> None:
+        self.cluster, self.key = cluster, key
+        self._key64 = base64.b64encode(key.encode()).decode()
+        # A re-opened stream starts here again: events seen twice are harmless (only a
+        # delete counts, and it ends the wait), and one missed would be a lost wake-up.
+        self.revision = after_revision
+        self.stream: Stream | None = None
+        self.member = -1
+        self.deleted = False
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def _open(self, first: int) -> None:
+        """Open the stream on ``first`` or the next member that answers."""
+        self.close()
+        cluster = self.cluster
+        n = len(cluster.endpoints)
+        errors = []
+        body = {
+            "create_request": {
+                "key": self._key64,
+                "start_revision": str(self.revision + 1),
+                "filters": ["NOPUT"],
+            }
+        }
+        for i in range(n):
+            k = (first + i) % n
+            host, port = cluster.endpoints[k]
+            try:
+                self.stream = Stream(host, port, cluster.api_path + "watch", body, cluster.timeout)
+            except OSError as exc:
+                errors.append(f"{host}:{port}: {exc.strerror or exc}")
+                continue
+            self.member = k
+            return
+        raise BackendUnavailable(cluster.url, "no member answered the watch (" + "; ".join(errors) + ")")
+
+    def follow(self, member: int) -> None:
+        if self.stream is not None and member != self.member:
+            self._open(member)
+
+    def wait(self, until: float) -> bool:
+        if self.deleted:
+            return True
+        if self.stream is None:
+            self._open(self.cluster.current)
+        broken_in_a_row = 0
+        while True:
+            assert self.stream is not None
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                ready, _, _ = select.select([self.stream], [], [], left)
+            except InterruptedError:
+                continue
+            if not ready:
+                return False
+            try:
+                messages = self.stream.read()
+            except StreamBroken:
+                # The member died, restarted or lost its leader: resume elsewhere. A member
+                # that accepts and hangs up at once is skipped after a full round.
+                broken_in_a_row += 1
+                if broken_in_a_row > len(self.cluster.endpoints):
+                    with contextlib.suppress(OSError):
+                        time.sleep(min(0.2, max(0.0, until - time.monotonic())))
+                    broken_in_a_row = 0
+                self._open(self.member + 1)
+                continue
+            for msg in messages:
+                broken_in_a_row = 0
+                if msg.get("canceled") or msg.get("compact_revision", "0") != "0":
+                    # History compacted past our revision: the caller re-reads the key.
+                    self.deleted = True
+                    return True
+                for ev in msg.get("events", []):
+                    if ev.get("type") == "DELETE" and ev.get("kv", {}).get("key") == self._key64:
+                        self.deleted = True
+                        return True

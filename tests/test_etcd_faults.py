@@ -1,0 +1,279 @@
+"""Faults of one process on etcd, on a real 3-member cluster: heartbeats on the holder's own
+clock, a frozen or killed holder (the wrapper keeps the lease while COMMAND lives), a frozen
+waiter, a guard judging an env-only token, and leases longer than 2^31 ms.
+
+COMMANDs write ``WORD NANOSECONDS`` lines; "never two COMMANDs" is asserted on those stamps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from etcd_cluster import Cluster
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+
+from singleflight.core.const import ENV_BACKEND, ExitCode
+from singleflight.etcd.client import Cluster as Client
+from singleflight.etcd.lock import WAIT_TTL, Mutex
+
+
+@pytest.fixture
+def job() -> str:
+    return f"job-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def on_etcd(etcd: Cluster, procs: Procs) -> str:
+    """Every process of the test talks to the session's cluster."""
+    procs.env[ENV_BACKEND] = etcd.url
+    return etcd.url
+
+
+def stamp(path: Path, word: str) -> str:
+    return f"echo {word} $(date +%s%N) >> {q(path)}"
+
+
+def stamps(path: Path) -> dict[str, int]:
+    return {w: int(t) for w, t in (line.split() for line in path.read_text().splitlines())}
+
+
+def in_line(url: str, job: str) -> int:
+    kvs, _ = Mutex(Client(url), "default", job).queue(keys_only=True)
+    return len(kvs)
+
+
+def settled_holder_pid(procs: Procs, job: str, wrapper: int) -> int:
+    """The detached holder's pid, once it has recorded itself in the cluster."""
+
+    def pid() -> int | None:
+        out = procs.run_text([PEARING_CLI, "status", job, "--json"])
+        holder = out.json[0]["holder"] if out.returncode == 0 and out.json else None
+        found = holder and holder.get("holder_pid")
+        return int(found) if found and found != wrapper else None
+
+    return int(wait_for(pid, 15, "the holder to record its pid"))
+
+
+def time_passes(seconds: float, what: str) -> None:
+    until = time.monotonic() + seconds
+    wait_for(lambda: time.monotonic() >= until, seconds + 10, what)
+
+
+# -- A. manual heartbeats on the holder's own clock ------------------------------------------
+
+
+def test_a_heartbeat_within_every_lease_period_is_enough(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
+    """Heartbeats 3.5 s apart (plus the CLI's own start-up) with a 5 s lease: inside every lease
+    period, but later than the etcd lease's TTL minus the holder's old give-up margin (3.3 s)."""
+    beat = f"{PEARING_CLI} heartbeat-lock-ticket --lease-seconds 5 >/dev/null || exit 9"
+    script = f"for i in 1 2 3; do sleep 3.5; {beat}; done; {stamp(work / 'log', 'done')}"
+    r = procs.pr_run(
+        "--job", job, "--heartbeat", "manual", "--lease-seconds", "5", "--", "sh", "-c", script, timeout=60
+    )
+    assert r.returncode == 0, r
+    assert (work / "log").exists()
+
+
+def test_without_heartbeats_the_lease_ends_on_the_holders_clock(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """No heartbeat: lost once the lease (not the etcd TTL, which holder and wrapper keep
+    renewing) has run out; the token is dead before COMMAND gets SIGTERM."""
+    script = (
+        f"trap '{PEARING_GUARD} verify >/dev/null 2>&1; echo $? > {q(work / 'in-trap')}; exit 0' TERM; "
+        f"{stamp(work / 'log', 'start')}; while :; do sleep 0.05; done"
+    )
+    r = procs.pr_run(
+        "--job", job, "--heartbeat", "manual", "--lease-seconds", "3", "--kill-grace", "5", "--", "sh", "-c", script,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == ExitCode.LEASE_LOST, r
+    assert 2.5 < r.elapsed < 15
+    assert (work / "in-trap").read_text().strip() == "1"
+
+
+# -- B. the wrapper keeps the lease while COMMAND lives -----------------------------------------
+
+
+def _trapping_command(log: Path, ready: Path) -> str:
+    """COMMAND that takes 2 s to stop on SIGTERM, writing its end line last."""
+    return (
+        f"trap 'sleep 2; {stamp(log, 'end1')}; exit 0' TERM; {stamp(log, 'start1')}; touch {q(ready)}; "
+        "while :; do sleep 0.05; done"
+    )
+
+
+def test_a_frozen_holder_cannot_let_a_second_command_start(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
+    """The holder is stopped (SIGSTOP) for longer than its lease (and its etcd TTL) while COMMAND
+    runs: the wrapper keeps the etcd lease alive, so the waiter stays out; resumed, the holder
+    finds its lease over, stops COMMAND the usual way, and only then the waiter starts."""
+    log, ready = work / "log", work / "ready"
+    first = procs.pr(
+        "--job", job, "--lease-seconds", "2", "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready)
+    )  # fmt: skip
+    wait_for(ready.exists, 15, "the first COMMAND")
+    holder = settled_holder_pid(procs, job, first.pid)
+    waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
+    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
+    os.kill(holder, signal.SIGSTOP)
+    try:
+        time_passes(5.0, "a lease and a TTL and more to pass with the holder frozen")
+        assert "start2" not in stamps(log), "the waiter ran while the first COMMAND did"
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    f = procs.finish(first, timeout=30)
+    w = procs.finish(waiter, timeout=30)
+    assert f.returncode == ExitCode.LEASE_LOST, f
+    assert w.returncode == 0, w
+    s = stamps(log)
+    assert s["start1"] < s["end1"] < s["start2"]
+
+
+def test_a_killed_holder_keeps_the_lock_until_command_ends(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
+    """kill -9 of the holder: the token dies, COMMAND gets SIGTERM and takes 2 s to stop; the
+    wrapper keeps the etcd lease alive meanwhile, so the waiter starts only after its end line."""
+    log, ready = work / "log", work / "ready"
+    first = procs.pr(
+        "--job", job, "--lease-seconds", "2", "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready)
+    )  # fmt: skip
+    wait_for(ready.exists, 15, "the first COMMAND")
+    holder = settled_holder_pid(procs, job, first.pid)
+    waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
+    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
+    os.kill(holder, signal.SIGKILL)
+    f = procs.finish(first, timeout=30)
+    w = procs.finish(waiter, timeout=30)
+    assert f.returncode == ExitCode.LEASE_LOST, f
+    assert w.returncode == 0, w
+    s = stamps(log)
+    assert s["start1"] < s["end1"] < s["start2"]
+
+
+# -- C. a frozen waiter ------------------------------------------------------------------------
+
+
+def test_a_frozen_waiter_resumed_after_its_deadline_never_takes_the_lock(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """^Z on a waiter at the head of the line: it leaves the line within its waiting lease (the
+    one behind it runs), and resumed after its deadline it exits busy without running."""
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    frozen = procs.pr("--job", job, "--wait-seconds", "1", "--", "touch", str(work / "never"))
+    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the first waiter in line")
+    os.kill(frozen.pid, signal.SIGSTOP)
+    stopped = time.time_ns()
+    behind = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "behind"))
+    try:
+        wait_for(lambda: in_line(on_etcd, job) >= 3, 15, "the second waiter in line")
+        gate.open()
+        assert procs.finish(holder).returncode == 0
+        b = procs.finish(behind, timeout=30)
+        assert b.returncode == 0, b
+        # Its place lasted at most its waiting lease after it stopped renewing (+ etcd's expiry tick).
+        assert (stamps(log)["behind"] - stopped) / 1e9 < WAIT_TTL + 3.0
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    r = procs.finish(frozen, timeout=30)
+    assert r.returncode == ExitCode.BUSY, r
+    assert not (work / "never").exists()
+
+
+def test_a_waiter_resumed_just_past_its_deadline_exits_busy(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
+    """Frozen at the head of the line and resumed just after its deadline: its key may still be
+    first (its waiting lease not yet lapsed) or gone; either way it must not take the lock."""
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    frozen = procs.pr("--job", job, "--wait-seconds", "3", "--", "touch", str(work / "never"))
+    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the first waiter in line")
+    deadline = time.monotonic() + 3.0  # its wait began before its key was in line: no earlier
+    behind = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "behind"))
+    wait_for(lambda: in_line(on_etcd, job) >= 3, 15, "the second waiter in line")
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        gate.open()
+        assert procs.finish(holder).returncode == 0
+        wait_for(lambda: time.monotonic() > deadline + 0.3, 15, "the frozen waiter's deadline to pass")
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    r = procs.finish(frozen, timeout=30)
+    assert r.returncode == ExitCode.BUSY, r
+    assert not (work / "never").exists()
+    assert procs.finish(behind, timeout=30).returncode == 0
+
+
+# -- D. a guard judges an env-only token by the holder's own deadline ------------------------
+
+
+def test_an_env_only_token_is_refused_while_its_holder_gives_up(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """PEARING_TOKEN + PEARING_LOCK + PEARING_TICKET, no token file: live while the lease runs,
+    refused once the holder gave up (in COMMAND's TERM trap), as the token file is."""
+    env_only = f"env -u PEARING_TOKEN_FILE {PEARING_GUARD} verify >/dev/null 2>&1; echo $?"
+    script = (
+        f"trap '{env_only} > {q(work / 'in-trap')}; exit 0' TERM; "
+        f"{env_only} > {q(work / 'before')}; while :; do sleep 0.05; done"
+    )
+    r = procs.pr_run(
+        "--job", job, "--heartbeat", "manual", "--lease-seconds", "3", "--kill-grace", "5", "--", "sh", "-c", script,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == ExitCode.LEASE_LOST, r
+    assert (work / "before").read_text().strip() == "0"
+    assert (work / "in-trap").read_text().strip() == "1"
+
+
+def test_an_env_only_token_dies_at_its_deadline_even_if_the_holder_is_frozen(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """The holder is frozen past the lease (the wrapper keeps the etcd lease alive): a guard
+    judges by the deadline recorded in the cluster, not by the holder's say-so."""
+    ready = work / "ready"
+    keep = "PEARING_TOKEN PEARING_LOCK PEARING_TICKET PEARING_REPO PEARING_BACKEND"
+    dump = f"for v in {keep}; do eval echo $v=\\$$v; done > {q(work / 'env')}"
+    run = procs.pr(
+        "--job", job, "--heartbeat", "manual", "--lease-seconds", "4", "--kill-grace", "1", "--",
+        "sh", "-c", f"{dump}; touch {q(ready)}; while :; do sleep 0.05; done",
+    )  # fmt: skip
+    wait_for(ready.exists, 15, "COMMAND")
+    holder = settled_holder_pid(procs, job, run.pid)
+    token_env = dict(line.split("=", 1) for line in (work / "env").read_text().splitlines())
+    verify_env = {k: v for k, v in procs.env.items() if not k.startswith("PEARING_")} | token_env
+    live = procs.run_text([PEARING_GUARD, "verify"], env=verify_env)
+    os.kill(holder, signal.SIGSTOP)
+    try:
+        time_passes(5.0, "the lease to run out with its holder frozen")
+        late = procs.run_text([PEARING_GUARD, "verify"], env=verify_env)
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    assert procs.finish(run, timeout=30).returncode == ExitCode.LEASE_LOST
+    assert live.returncode == 0, live
+    assert late.returncode == ExitCode.REFUSED and "lease expired" in late.stderr, late
+
+
+# -- E. leases longer than 2^31 ms -----------------------------------------------------------
+
+
+def test_a_thirty_day_lease_is_honoured(procs: Procs, job: str, on_etcd: str) -> None:
+    month = "2592000"
+    r = procs.pr_run("--job", job, "--lease-seconds", month, "--heartbeat", "manual", "--", "sleep", "1")
+    assert r.returncode == 0, r
+    got = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", month])
+    assert got.returncode == 0, got
+    t = json.loads(got.stdout)
+    again = procs.run_text([PEARING_CLI, "get-lock-ticket", job, t["ticket_id"]])
+    assert again.returncode == 0 and again.json["state"] == "held", again
+    busy = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "5"])
+    assert busy.returncode == ExitCode.BUSY, busy
+    assert procs.run([PEARING_CLI, "release-lock-ticket", job, t["ticket_id"]]).returncode == 0
