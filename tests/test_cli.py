@@ -282,10 +282,6 @@ def test_lease_expiry_without_heartbeat_frees_the_lock(backend: str, work_procs:
     assert backend != "local" or nxt.json["fence"] == 2
 
 
-@pytest.mark.etcd_xfail(
-    "get-lock-ticket shows lease_expires_at null for a ticket still held in the last second of its lease "
-    "(the etcd lease's remaining whole seconds read 0); the lock dir always says when a held lease expires"
-)
 def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: Procs, lock_dir: Path) -> None:
     """Sampled densely through ``ops.get``, the very function get-lock-ticket prints, in-process:
     a process per read would step over the lease's last second."""
@@ -312,10 +308,6 @@ def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: P
     assert all(isinstance(x, str) and _RFC3339_UTC.match(x) for x in held), held
 
 
-@pytest.mark.etcd_xfail(
-    "a waiting CLI ticket nobody heartbeats never leaves the line: its detached agent keeps the waiting "
-    "key's lease alive itself, so it stays `waiting` (queue_position 1) long after its 2 s lease"
-)
 def test_waiting_ticket_without_heartbeat_leaves_the_queue(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
@@ -548,10 +540,6 @@ def test_defaults_from_environment_inside_pearing_run(backend: str, work_procs: 
     assert hb["lease_seconds"] == 30
 
 
-@pytest.mark.etcd_xfail(
-    "heartbeat-lock-ticket --lease-seconds N renews the etcd lease for the TTL it was granted with "
-    "(README says so), so the ticket keeps lease_seconds 30 and an expiry 30 s out instead of N = 5"
-)
 def test_heartbeat_sets_the_new_lease_length(backend: str, work_procs: Procs, work: Path) -> None:
     """SPEC: heartbeat-lock-ticket NAME TICKET_ID --lease-seconds N: the lease now runs N seconds."""
     script = (
@@ -568,11 +556,6 @@ def test_heartbeat_sets_the_new_lease_length(backend: str, work_procs: Procs, wo
     assert _epoch(hb["lease_expires_at"]) - time.time() < 6, hb
 
 
-@pytest.mark.etcd_xfail(
-    "get-lock-ticket recomputes lease_expires_at on every read as now + the lease's remaining whole "
-    "seconds, so it moves between reads by up to a second with no heartbeat in between; the lock dir "
-    "shows the expiry the last heartbeat set"
-)
 def test_get_shows_the_expiry_the_last_heartbeat_set(backend: str, work_procs: Procs) -> None:
     acq = _acquire(work_procs)
     assert acq.returncode == 0, acq

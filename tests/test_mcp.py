@@ -275,10 +275,6 @@ async def test_acquire_get_heartbeat_release(
         assert await c.call("update_user_activity", clear=True) == {"identity": IDENTITY, "activity": None}
 
 
-@pytest.mark.etcd_xfail(
-    "heartbeat_lock_ticket with lease_seconds N renews the etcd lease for the TTL it was granted with, "
-    "so the ticket keeps lease_seconds 60 instead of 120"
-)
 async def test_heartbeat_sets_the_new_lease_length(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
     async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()
@@ -343,10 +339,6 @@ async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(
         assert backend != "local" or promoted["fence"] == 2
 
 
-@pytest.mark.etcd_xfail(
-    "an acquire_lock that was blocked in line returns its ticket held with promoted false (the lock dir: "
-    "true), so the agent cannot tell it must re-read state that moved while it waited"
-)
 async def test_a_promoted_ticket_says_it_waited(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
     async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()

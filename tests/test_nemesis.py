@@ -554,9 +554,9 @@ class Nemesis:
             recs = ticket_records(self.procs.lock_dir, self.job)
             return {r["holder_pid"] for r in recs if r.get("state") == "waiting"}
         from singleflight.etcd.client import Cluster as Client
-        from singleflight.etcd.lock import EtcdLock
+        from singleflight.etcd.lock import Mutex
 
-        kvs, _ = EtcdLock(Client(self.env[ENV_BACKEND]), "default", self.job).queue()
+        kvs, _ = Mutex(Client(self.env[ENV_BACKEND]), "default", self.job).queue()
         return {json.loads(kv["value"]).get("holder_pid") for kv in kvs[1:]}
 
     def is_frozen(self, c: Contender) -> bool:
@@ -937,9 +937,9 @@ class Solo:
             if ENV_BACKEND not in env:
                 return any(r.get("holder_pid") == pid for r in ticket_records(lock_dir, self.job))
             from singleflight.etcd.client import Cluster as Client
-            from singleflight.etcd.lock import EtcdLock
+            from singleflight.etcd.lock import Mutex
 
-            kvs, _ = EtcdLock(Client(env[ENV_BACKEND]), "default", self.job).queue()
+            kvs, _ = Mutex(Client(env[ENV_BACKEND]), "default", self.job).queue()
             return any(json.loads(kv["value"]).get("holder_pid") == pid for kv in kvs[1:])
 
         wait_for(queued, 15, f"{name} to wait in line")
@@ -980,7 +980,7 @@ def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> 
 @pytest.mark.parametrize(
     "backend",
     known(
-        ["etcd"],
+        [],
         "with fd 2 closed sys.stderr is None and Log._emit raises AttributeError (it suppresses only "
         "OSError/ValueError): pearing-run -v dies with exit 1 after taking a fence, COMMAND never runs",
     ),
@@ -1155,7 +1155,7 @@ def test_lost_lease_keeps_the_lock_until_command_is_dead(
 @pytest.mark.parametrize(
     "backend",
     known(
-        ["etcd"],
+        [],
         "the holder reads the lease's TTL in whole seconds, truncated (and a TTL under 1 s is "
         "omitted from etcd's JSON, read as -1 'gone'), then takes its margin off: a COMMAND that "
         "heartbeats every lease/3 (README) loses a 3 s lease. SPEC 4: within every lease period",

@@ -606,11 +606,6 @@ def test_wait_seconds_times_out_with_busy(backend: str, procs: Procs, work: Path
     assert procs.finish(first).returncode == 0
 
 
-@pytest.mark.etcd_xfail(
-    "a waiter killed with -9 keeps its queue key until that key's lease (the run's --lease-seconds, 60 s "
-    "by default) lapses, so the waiter behind it is not served for up to a lease period; SPEC: a killed "
-    "waiter stops blocking within 5 s (the lock dir drops it at once)"
-)
 def test_killed_waiter_does_not_stall_queue(backend: str, procs: Procs, work: Path) -> None:
     gate, first_fence = Gate(work), work / "first-fence"
     first = procs.pr("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(first_fence)}; {gate.script()}"))
