@@ -27,6 +27,7 @@ RUN = str(BIN / "pearing-run")
 GUARD = str(BIN / "pearing-guard")
 CLI = str(BIN / "pearing-cli")
 FLOCK = shutil.which("flock")
+ETCDCTL = shutil.which("etcdctl")
 
 
 def _env(lock_dir: Path) -> dict[str, str]:
@@ -110,16 +111,26 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
 
 
 def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> list[float]:
-    """Start a holder, queue ``waiters`` runs behind it, release; hand-over gaps in ms."""
+    """Start a holder, queue ``waiters`` runs behind it, release; hand-over gaps in ms.
+
+    ``tool``: pearing (pearing-run, on the lock dir or ``backend``), flock (flock -w) or
+    etcdctl (etcdctl lock on ``backend``'s queue of the same lock: pearing's mutex prefix).
+    """
     d = Path(tempfile.mkdtemp(dir=tmp, prefix=f"chain-{tool}-"))
     env = _env(d / "lockdir")
     if backend:
         env["PEARING_BACKEND"] = backend
+        env["ETCDCTL_API"] = "3"
     gate, ready = d / "go", d / "ready"
     hold = f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.002; done; date +%s%N > {d}/h"
     lock = str(d / "flock.lock")
+    etcdctl = (
+        [str(ETCDCTL), "--endpoints", _endpoints(backend), "lock", _mutex_prefix(backend, "c"), "--"] if backend else []
+    )
     if tool == "pearing":
         head = [RUN, "--job", "c", "--", "sh", "-c", hold]
+    elif tool == "etcdctl":
+        head = [*etcdctl, "sh", "-c", hold]
     else:
         head = [str(FLOCK), "-w", "300", lock, "sh", "-c", hold]
     procs = [subprocess.Popen(head, env=env)]
@@ -130,6 +141,8 @@ def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> li
         outs.append(out)
         if tool == "pearing":
             argv = [RUN, "--job", "c", "--wait-seconds", "300", "--", "date", "+%s%N"]
+        elif tool == "etcdctl":
+            argv = [*etcdctl, "date", "+%s%N"]
         else:
             argv = [str(FLOCK), "-w", "300", lock, "date", "+%s%N"]
         procs.append(subprocess.Popen(argv, env=env, stdout=out))
@@ -139,7 +152,7 @@ def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> li
         elif backend:
             _wait_for(lambda n=i + 2: _etcd_queued(backend, "c") >= n, 20, "enqueue on etcd")
     # flock(1) has no queue to watch: give its waiters time to block in the kernel.
-    if tool != "pearing":
+    if tool == "flock":
         time.sleep(0.2 + waiters * 0.005)
     gate.touch()
     for p in procs:
@@ -156,7 +169,7 @@ def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> li
     gaps = [(b - a) / 1e6 for a, b in zip(sorted(stamps), sorted(stamps)[1:], strict=False)]
     fifo = [i for _, i in sorted(order)] == list(range(waiters))
     shutil.rmtree(d, ignore_errors=True)
-    return gaps if tool != "pearing" or fifo else [-1.0]
+    return gaps if tool == "flock" or fifo else [-1.0]
 
 
 def _queued(qdir: Path) -> int:
@@ -185,18 +198,32 @@ def _etcd_queued(url: str, job: str) -> int:
     from singleflight.etcd.client import Cluster
     from singleflight.etcd.lock import Mutex
 
-    kvs, _ = Mutex(Cluster(url), "default", job).queue()
+    kvs, _ = Mutex(Cluster(url), "default", job).queue(keys_only=True)
     return len(kvs)
 
 
-def etcd_handover(tmp: Path, length: int) -> dict[str, Any] | None:
-    """The same chain on a single-member etcd on loopback, next to the lock dir."""
+def _endpoints(url: str | None) -> str:
+    from singleflight.etcd.client import parse_url
+
+    return ",".join(f"{h}:{p}" for h, p in parse_url(str(url))[0])
+
+
+def _mutex_prefix(url: str | None, job: str) -> str:
+    """The etcd concurrency-mutex prefix of (default, job): what etcdctl lock takes."""
+    from singleflight.etcd.client import parse_url
+
+    return f"/{parse_url(str(url))[1]}/default/@{job}/q"
+
+
+def etcd_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
+    """pearing-run and etcdctl lock, chains alternating on one single-member etcd on loopback,
+    and the lock dir in the same run. Skipped without etcd, etcdctl or the etcd extra."""
     etcd = shutil.which("etcd")
     try:
         import etcd3gw  # noqa: F401 - the etcd extra
     except ImportError:
         return None
-    if etcd is None:
+    if etcd is None or ETCDCTL is None:
         return None
     import socket
 
@@ -217,6 +244,8 @@ def etcd_handover(tmp: Path, length: int) -> dict[str, Any] | None:
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"etcd://127.0.0.1:{client}"
+    res: dict[str, list[float]] = {"pearing-run --backend etcd": [], "etcdctl lock": [], "pearing-run (lock dir)": []}
+    fifo = True
     try:
         import urllib.request
 
@@ -228,18 +257,25 @@ def etcd_handover(tmp: Path, length: int) -> dict[str, Any] | None:
                 return False
 
         _wait_for(healthy, 20, "etcd")
-        on_etcd = _chain("pearing", length, tmp, backend=url)
-        local = _chain("pearing", length, tmp)
+        _chain("pearing", 2, tmp, backend=url)  # warm-up
+        _chain("etcdctl", 2, tmp, backend=url)
+        for _ in range(chains):
+            for name, tool, backend in (
+                ("pearing-run --backend etcd", "pearing", url),
+                ("etcdctl lock", "etcdctl", url),
+                ("pearing-run (lock dir)", "pearing", None),
+            ):
+                gaps = _chain(tool, length, tmp, backend=backend)
+                fifo &= gaps != [-1.0]
+                res[name] += gaps
     finally:
         proc.terminate()
         proc.wait(10)
-    return {
-        "chain_length": length,
-        "etcd_p50_ms": statistics.median(on_etcd),
-        "etcd_p99_ms": _pct(on_etcd, 99),
-        "local_p50_ms": statistics.median(local),
-        "local_p99_ms": _pct(local, 99),
-    }
+    out: dict[str, Any] = {"chain_length": length, "chains": chains, "fifo_kept": fifo}
+    for k, v in res.items():
+        out[k] = {"p50_ms": statistics.median(v), "p99_ms": _pct(v, 99), "max_ms": max(v), "n": len(v)}
+    out["p50_difference_ms"] = out["pearing-run --backend etcd"]["p50_ms"] - out["etcdctl lock"]["p50_ms"]
+    return out
 
 
 def scale_waiters(tmp: Path, many: int) -> dict[str, Any]:
@@ -380,9 +416,18 @@ def _table(r: dict[str, Any]) -> str:
     ]
     m = r["many_locks"]
     lines += ["", "== many locks =="] + [f"{k}: {v if not isinstance(v, float) else round(v, 3)}" for k, v in m.items()]
-    if r.get("etcd"):
-        lines += ["", "== hand-over on etcd (single member, loopback) vs the lock dir =="]
-        lines += [f"{k}: {v if not isinstance(v, float) else round(v, 2)}" for k, v in r["etcd"].items()]
+    e = r.get("etcd")
+    if e:
+        lines += [
+            "",
+            f"== hand-over on etcd (one member, loopback), chains of {e['chain_length']}, alternating ==",
+            f"{'tool':<30} {'p50':>8} {'p99':>8} {'max':>8}",
+        ]
+        for k in ("pearing-run --backend etcd", "etcdctl lock", "pearing-run (lock dir)"):
+            lines.append(f"{k:<30} {e[k]['p50_ms']:>8.1f} {e[k]['p99_ms']:>8.1f} {e[k]['max_ms']:>8.1f}")
+        lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
+    else:
+        lines += ["", "== hand-over on etcd: skipped (needs etcd, etcdctl and the etcd extra) =="]
     return "\n".join(lines) + "\n"
 
 
@@ -401,7 +446,7 @@ def main() -> int:
             "waiters": scale_waiters(tmp, 10 if q else 100),
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
-            "etcd": etcd_handover(tmp, 5 if q else 20),
+            "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
         }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

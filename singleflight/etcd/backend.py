@@ -65,6 +65,7 @@ class EtcdPlace:
         self.lk, self.ticket, self.lease, self.grip = lk, ticket, lease, grip
         self.kv = kv  # our key, once in line (a CLI ticket's agent finds it there already)
         self.waiting_lease = 0
+        self.keep_lease = 0
         self.gone = False
 
     def queue(self, deadline: float) -> int:
@@ -77,6 +78,9 @@ class EtcdPlace:
             kv, ahead = mutex.rehome(self.kv, self.waiting_lease)
             self.gone = kv is None  # cancelled (release-lock-ticket) before we got here
             self.kv = kv or self.kv
+        # Granted now, while there is time: the end record goes straight onto it at the release,
+        # and no grant-and-put lands on the cluster during the next hand-over.
+        self.keep_lease = self.lk.cluster.grant(int(ENDED_TICKET_RETENTION))
         return max(1, ahead)
 
     def wait(self, deadline: Callable[[], float]) -> EtcdGrip | None:
@@ -107,6 +111,7 @@ class EtcdPlace:
             kept_at=self.lk.kept_at(tid),
             token=self.lk.token_of(tid),
             waiting_lease=self.waiting_lease,
+            keep_lease=self.keep_lease,
         )
         return self.grip
 
@@ -118,9 +123,9 @@ class EtcdPlace:
 
     def leave(self) -> None:
         if self.grip is None:
-            if self.waiting_lease:
-                self.lk.cluster.revoke(self.waiting_lease)
-            self.lk.cluster.revoke(self.lease)
+            for lease in (self.waiting_lease, self.lease, self.keep_lease):
+                if lease:
+                    self.lk.cluster.revoke(lease)
 
 
 class EtcdLock:
@@ -288,11 +293,13 @@ class EtcdLock:
             margin=margin,
             kept_at=grip.kept_at,
             waiting_lease=grip.waiting_lease,
+            keep_lease=grip.keep_lease,
             owner=owner,
         )
         if t.ticket_id in self._agents:
             # Its owner (pearing-cli, MCP, Lock) reads the ticket as soon as it is ready.
             driver.settle()
+            driver.warm = True
         token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
         env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url}

@@ -27,6 +27,8 @@ _RETRY = 0.25
 # a write at once would delay the release of a short COMMAND by one more fsync, and until then
 # the key is first in line, kept alive with its waiting lease by both wrapper and holder.
 _SETTLE_AFTER = 0.1
+# How long after the hand-over the old holder cleans up (see ``housekeeping``).
+_HOUSEKEEPING_AFTER = 0.2
 
 
 def margin_for(ttl: int, kill_grace: float, request_timeout: float) -> float:
@@ -60,9 +62,11 @@ class EtcdGrip:
         kept_at: float,
         token: str,
         waiting_lease: int = 0,
+        keep_lease: int = 0,
     ) -> None:
         self.cluster, self.lease, self.kv, self.token = cluster, lease, kv, token
         self.waiting_lease = waiting_lease
+        self.keep_lease = keep_lease  # an hour's lease for the end record, granted while waiting
         self.kept_at = kept_at  # when the last keepalive of ``lease`` that succeeded was sent
         self.keep_every: float | None = ttl / 3
 
@@ -105,10 +109,11 @@ class EtcdLease:
         margin: float,
         kept_at: float,
         waiting_lease: int = 0,
+        keep_lease: int = 0,
         owner: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.mutex, self.lease, self.ticket, self.tokens = mutex, lease, ticket, tokens
-        self.waiting_lease, self.owner = waiting_lease, owner
+        self.waiting_lease, self.keep_lease, self.owner = waiting_lease, keep_lease, owner
         self.key, self.fence, self.mod = str(kv["key"]), int(kv["create_revision"]), int(kv["mod_revision"])
         self.ttl = ttl_of(ticket.lease_seconds)
         self.margin = margin
@@ -118,10 +123,13 @@ class EtcdLease:
         self.lapsed = False
         self.key_gone = False
         self.settled = False
+        self.warm = False
+        self.settle_at = time.monotonic() + _SETTLE_AFTER
         self.ended: bytes | None = None
         self._schedule()
-        settle_at = time.monotonic() + _SETTLE_AFTER
-        self.ticket.lease_deadline_mono = min(self.ticket.lease_deadline_mono or settle_at, settle_at)
+        # The first look comes at once: one keepalive, so that this process's connection is
+        # open while COMMAND runs, not opened by the release that hands the lock over.
+        self.ticket.lease_deadline_mono = time.monotonic()
 
     @property
     def cluster(self) -> Cluster:
@@ -134,6 +142,8 @@ class EtcdLease:
         cut_off = self._cut_off()
         # Unreachable: ask again soon. Else: the next keepalive, a third of the TTL after the last.
         look = min(cut_off, time.monotonic() + _RETRY) if self.unreachable else self.kept_at + self.ttl / 3
+        if not self.settled:
+            look = min(look, self.settle_at)
         self.ticket.lease_deadline_mono = min(self.deadline, cut_off, look)
 
     def _body(self) -> bytes:
@@ -207,9 +217,7 @@ class EtcdLease:
         create revision: the fence), with the holder's pid and deadline; the newest fence is
         remembered, so an older token can be told it was superseded."""
         if self._record():
-            self.settled = True
-            if self.waiting_lease:
-                self.cluster.revoke(self.waiting_lease)
+            self.settled = True  # the waiting lease, now empty, lapses within seconds
         else:
             self.lapsed = True  # ended, released or lapsed before we could: the check says which
 
@@ -217,9 +225,15 @@ class EtcdLease:
         now = time.monotonic()
         kv = None
         try:
+            if not self.warm:
+                self.warm = True
+                self._keepalive()
+                if not self.unreachable and not self.lapsed:
+                    self._schedule()
+                    return None
             if self.unreachable or now >= self.kept_at + self.ttl / 3:
                 self._keepalive()
-            if not self.settled and not self.unreachable and not self.lapsed:
+            if not self.settled and not self.unreachable and not self.lapsed and now >= self.settle_at:
                 self.settle()
             if not self.unreachable and not self.lapsed:
                 kv = self.cluster.get(self.key)
@@ -263,7 +277,8 @@ class EtcdLease:
         t.state, t.end_reason, t.ended_at = state, reason, time.time()
         body = self._body()
         mine = self.mutex.e + t.ticket_id
-        ops = [op_put(mine, body, self.lease), op_put(self.mutex.base + "last", str(self.fence).encode())]
+        record = op_put(mine, body, self.keep_lease or self.lease)
+        ops = [record, op_put(self.mutex.base + "last", str(self.fence).encode())]
         ops.append(op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease))
         with contextlib.suppress(BackendUnavailable, Refused):
             r = self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], ops, [])
@@ -301,11 +316,15 @@ class EtcdLease:
             self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], [op_delete(self.key)], [])
 
     def housekeeping(self) -> None:
-        """After the hand-over: the end record moves to an hour's lease, and ours goes."""
+        """After the hand-over: our lease goes (one write, as etcdctl's session revoke), the end
+        record onto an hour's lease first if it has none yet (a run that did not wait). The
+        waiting lease, empty by now, lapses by itself.
+
+        A moment later, not at once: the next holder's first read would wait behind this
+        write's fsync (etcd's one raft loop serves both). The wrapper has exited already."""
+        time.sleep(_HOUSEKEEPING_AFTER)
         with contextlib.suppress(BackendUnavailable, Refused):
-            if self.ended is not None:
+            if self.ended is not None and not self.keep_lease:
                 keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
                 self.cluster.put(self.mutex.e + self.ticket.ticket_id, self.ended, keep)
             self.cluster.revoke(self.lease)
-            if self.waiting_lease and not self.settled:
-                self.cluster.revoke(self.waiting_lease)
