@@ -16,6 +16,7 @@ Lines (F = $PEARING_FENCE, NS = monotonic ns, PID = this process):
 
     start F NS PID STARTTIME CID   first thing COMMAND does
     end F NS PID CID HOW           last thing it does (HOW: done, term, refused)
+    begin F NS PID CID MODE        a side effect set off (the writer runs)
     write F NS PID CID MODE        a side effect landed
     refused F NS PID CID WHAT      pearing-guard exec / fence / heartbeat said no
 """
@@ -138,6 +139,7 @@ def side_effect(log: str, cid: str, fence: str, plan: Plan) -> None:
 
 def write(log: str, cid: str, mode: str, delay: str, resource: str, target: str) -> int:
     fence = os.environ.get("PEARING_FENCE", "0")
+    record(log, "begin", fence, time.monotonic_ns(), os.getpid(), cid, mode)
     time.sleep(float(delay))  # the push or post takes a while
     if mode not in ("fence", "both"):
         record(log, "write", fence, time.monotonic_ns(), os.getpid(), cid, mode)
