@@ -616,7 +616,14 @@ class EtcdBackend:
             name, _, kind = kv["key"][len(f"{self.cluster.root}{repo}/@") :].partition("/")
             if kind.startswith("q/"):
                 found.add(name)
-        return [EtcdLock(self, repo, name).status() for name in sorted(found)]
+        out = []
+        for name in sorted(found):
+            lk = EtcdLock(self, repo, name)
+            try:
+                out.append(lk.status())
+            finally:
+                lk.close()  # its token files' directories: a server lives for days
+        return out
 
     def verify(self, claim: Claim) -> Verdict:
         if not claim.ticket_id:
