@@ -266,7 +266,9 @@ def test_exec_outside_live_run_refuses_and_never_starts_cmd(backend: str, work_p
 
 
 def test_exec_max_seconds_kills_long_cmd(backend: str, work_procs: Procs, work: Path) -> None:
-    inner = "echo $$ > cmd.pid; while [ ! -e go ]; do sleep 0.01; done; touch finished"
+    # CMD and what it started (a grandchild in the background) are stopped: CMD shares the
+    # caller's process group, so the guard signals the tree, not a group of its own.
+    inner = "sleep 60 & echo $! > child.pid; echo $$ > cmd.pid; while [ ! -e go ]; do sleep 0.01; done; touch finished"
     script = f"{q(PEARING_GUARD)} exec --max-seconds 1 -- sh -c {q(inner)}; echo $? > exec.rc"
     started = time.monotonic()
     p = work_procs.start(_run_argv("guard-maxs", script), text=True)
@@ -278,6 +280,8 @@ def test_exec_max_seconds_kills_long_cmd(backend: str, work_procs: Procs, work: 
     cmd_pid = int(line_file(work / "cmd.pid") or "0")
     assert cmd_pid > 0
     wait_for(lambda: not pid_alive(cmd_pid), 5, "the guarded CMD to be gone")
+    child = int(line_file(work / "child.pid") or "0")
+    wait_for(lambda: not pid_alive(child), 5, "what the guarded CMD started to be gone")
     assert p.wait(timeout=15) == 0
 
 

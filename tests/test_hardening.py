@@ -315,6 +315,19 @@ def test_an_interactive_command_reads_the_terminal(term: Callable[..., Pty]) -> 
     assert t.wait() == 0
 
 
+def test_a_guarded_command_reads_the_terminal_and_gets_ctrl_c(term: Callable[..., Pty]) -> None:
+    """pearing-guard exec's CMD is in COMMAND's process group, the terminal's foreground:
+    it reads the terminal, and ^C reaches it (the guard itself ignores ^C, as system(3))."""
+    script = 'echo ready; read a; echo "got $a"; exec sleep 30'
+    t = term("--job", "tty", "--", PEARING_GUARD, "exec", "--", "sh", "-c", script)
+    t.expect(b"ready")
+    t.send(b"hello\n")
+    t.expect(b"got hello")
+    t.command_in_foreground()
+    t.send(b"\x03")
+    assert t.wait() == 128 + signal.SIGINT
+
+
 def test_ctrl_c_reaches_the_command(term: Callable[..., Pty]) -> None:
     t = term("--job", "tty", "--", "sh", "-c", "echo ready; exec sleep 30")
     t.expect(b"ready")

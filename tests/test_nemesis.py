@@ -103,11 +103,7 @@ WORKLOAD = ("closed-stdio", "manual-heartbeat", "hang-heartbeat")  # how contend
 # Fault kinds that break an invariant today, per backend, with the tests that show each alone.
 # A default round leaves them out; when a fix lands, delete the entry and the xfail marker.
 KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
-    "local": {
-        # pearing-guard exec's CMD runs in a process group of its own: a kill -9 of COMMAND's
-        # group kills the guard (and its hold-off) but not CMD, whose write may land late.
-        "kill-command-group": ("test_group_kill_mid_guarded_write_holds_off_the_hand_over",),
-    },
+    "local": {},
     "etcd": {
         # Seed 20260214 (49 s round): a holder frozen 3.25 s past its 3 s lease, and the next
         # run started while its COMMAND still ran (1.7 s overlap). Not reproduced alone every
@@ -1106,31 +1102,32 @@ def test_killed_waiter_stops_blocking_within_5_s(
     assert (w2.start_ns - h.stop_ns) / 1e9 < 5.0
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        ["local"],
-        "pearing-guard exec runs CMD in a process group of its own and holds the hold-off (a shared "
-        "flock on guard.lock) only in its own process: kill -9 of COMMAND's group kills the guard, "
-        "the hand-over goes ahead, and the orphaned CMD's write lands under the next holder",
-    ),
-    indirect=True,
-)
-def test_group_kill_mid_guarded_write_holds_off_the_hand_over(
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_group_kill_mid_guarded_write_takes_the_write_with_it(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
+    """kill -9 of COMMAND's group while ``pearing-guard exec`` has a write in flight: the
+    guarded CMD is in that group, so it dies with it and its write never lands (it used to
+    run on in a group of its own, and land under the next holder's fence)."""
     solo = Solo(procs, work)
     plan = ["hold=4", "guard=exec", "delay=1.5", "max=5", f"target={work / 'target'}"]
     solo.start("a", ["--lease-seconds", "3"], plan)
     a = solo.started("a")
     solo.start("b", ["--wait-seconds", "20"], ["hold=3"])
     solo.waiting("b", lock_dir, env)
-    # COMMAND -> pearing-guard exec -> the writer, which logs "begin" and then takes 1.5 s.
-    wait_for(lambda: "\nbegin " in solo.log.read_text(), 10, "the guarded write to be in flight")
+    # COMMAND -> pearing-guard exec -> the writer, which logs "begin F NS PID ..." and then takes 1.5 s.
+    begin = wait_for(
+        lambda: next((ln for ln in solo.log.read_text().splitlines() if ln.startswith("begin ")), None),
+        10,
+        "the guarded write to be in flight",
+    )
+    writer = int(begin.split()[3])
+    assert os.getpgid(writer) == a.pid, "the guarded CMD is not in COMMAND's process group"
     os.killpg(a.pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(writer), 5, "the writer to die with COMMAND's group")
     codes, v = solo.finish()
-    assert v.writes == [], v.writes
-    assert len(solo.watcher.writes) == 1, "the guarded write never landed"
+    assert v.violations() == [], v.violations()
+    assert solo.watcher.writes == [], "a write landed after its COMMAND's group was killed"
     assert codes == {"a": 128 + 9, "b": 0}
 
 

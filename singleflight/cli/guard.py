@@ -39,7 +39,9 @@ FENCE = [
     Option("--json", dest="json", flag=True, help="print the result as JSON"),
     HELP,
 ]
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_CAUGHT = (*_TERMINAL, *_FORWARDED)
 
 
 def _help(opts: list[Option], synopsis: str) -> int:
@@ -85,17 +87,18 @@ def cmd_exec(argv: list[str], log: Log) -> int:
 
 
 def _run_bounded(command: list[str], max_seconds: float, log: Log) -> int:
-    # A signal between the spawn and our handlers would kill us and orphan CMD (its guard
-    # held by nobody): block them across, and let CMD start with none blocked.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    """Run CMD in our own process group (COMMAND's, under pearing-run): whatever stops
+    COMMAND's group stops CMD too, and the lock is released only once that group is gone,
+    so a guarded write can never outlive a kill -9 of COMMAND's group and land under the
+    next holder's fence. SIGINT and SIGQUIT come from the terminal to the whole group, CMD
+    included, so we ignore them (as system(3) does); other signals sent to us alone are
+    passed on to CMD."""
+    # A signal between the spawn and our handlers would kill us and leave CMD running
+    # outside the hold-off: block them across, and let CMD start with none blocked.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _CAUGHT)
     try:
         pid = os.posix_spawnp(
-            command[0],
-            command,
-            dict(os.environ),
-            setpgroup=0,
-            setsigdef=(*_FORWARDED, signal.SIGPIPE),
-            setsigmask=old,
+            command[0], command, dict(os.environ), setsigdef=(*_CAUGHT, signal.SIGPIPE), setsigmask=old
         )
     except OSError as exc:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
@@ -103,27 +106,49 @@ def _run_bounded(command: list[str], max_seconds: float, log: Log) -> int:
         log.error(f"command {'not executable' if found else 'not found'}: {command[0]}: {exc.strerror}")
         return int(ExitCode.NOEXEC if found else ExitCode.NOTFOUND)
     fault.pause("pause-guard-spawned")
-    for sig in _FORWARDED:
-        signal.signal(sig, lambda signum, frame: _killpg(pid, signum))
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
     pidfd = os.pidfd_open(pid)
+    for sig in _TERMINAL:
+        signal.signal(sig, signal.SIG_IGN)
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda signum, frame: _send(pidfd, signum))
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
     ready, _, _ = select.select([pidfd], [], [], max_seconds)
     if not ready:
         log.error(f"CMD ran past --max-seconds {max_seconds:g}: killed")
-        _killpg(pid, signal.SIGTERM)
-        if not select.select([pidfd], [], [], 1.0)[0]:
-            _killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        _killpg(pid, signal.SIGKILL)
+        _kill_tree(pid, pidfd)
         return int(ExitCode.LEASE_LOST)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
 
 
-def _killpg(pgid: int, sig: int) -> None:
+def _send(pidfd: int, sig: int) -> None:
+    # Through the pidfd: CMD's pid, once reaped, is never some other process.
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+        signal.pidfd_send_signal(pidfd, sig)
+
+
+def _kill_tree(pid: int, pidfd: int) -> None:
+    """CMD ran past --max-seconds: TERM to it and what it started, KILL a second later."""
+    import psutil
+
+    def tree() -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(pid).children(recursive=True)
+        return []
+
+    children = tree()
+    _send(pidfd, signal.SIGTERM)
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.terminate()
+    if not select.select([pidfd], [], [], 1.0)[0]:
+        children += tree()
+        _send(pidfd, signal.SIGKILL)
+    for c in children:  # psutil checks each one's start time: a reused pid is not hit
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+    os.waitpid(pid, 0)
 
 
 def cmd_fence(argv: list[str], log: Log) -> int:
