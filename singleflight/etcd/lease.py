@@ -126,13 +126,9 @@ class EtcdLease:
         self.lapsed = False
         self.key_gone = False
         self.settled = False
-        self.warm = False
         self.settle_at = time.monotonic() + _SETTLE_AFTER
         self.ended: bytes | None = None
         self._schedule()
-        # The first look comes at once: one keepalive, so that this process's connection is
-        # open while COMMAND runs, not opened by the release that hands the lock over.
-        self.ticket.lease_deadline_mono = time.monotonic()
 
     @property
     def cluster(self) -> Cluster:
@@ -228,12 +224,6 @@ class EtcdLease:
         now = time.monotonic()
         kv = None
         try:
-            if not self.warm:
-                self.warm = True
-                self._keepalive()
-                if not self.unreachable and not self.lapsed:
-                    self._schedule()
-                    return None
             if self.unreachable or now >= self.kept_at + self.ttl / 3:
                 self._keepalive()
             if not self.settled and not self.unreachable and not self.lapsed and now >= self.settle_at:
