@@ -1,7 +1,7 @@
 """A small etcd v3 client for the grpc-gateway JSON API (etcd >= 3.4), with failover.
 
-Requests are JSON over the standard library's ``http.client``, one keep-alive
-connection per member, made when first needed. ``Cluster`` tries the members of
+Requests are JSON over a plain socket (``wire.py``), one kept-alive connection per
+member, made when first needed. ``Cluster`` tries the members of
 ``etcd://HOST:PORT[,HOST:PORT...]`` in turn, so a dead member costs one connection
 timeout, not the run. Watches (``watch.py``) are read in the calling thread from the
 gateway's stream (no watcher threads), so a process can still fork.
@@ -9,7 +9,7 @@ gateway's stream (no watcher threads), so a process can still fork.
 Why not etcd3gw (and requests under it): importing it took 115 ms in every etcd process
 (pearing-run, each pearing-cli heartbeat, each pearing-guard verify), and the larger
 process it makes cost a hand-over about 15 ms more in fork and copy-on-write faults;
-only a dozen requests are needed here. Members are reached directly (no proxy, no netrc).
+only a dozen requests are needed here. Members are reached directly (no proxy).
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from singleflight.core.errors import BackendUnavailable, BadValue
-
-if TYPE_CHECKING:
-    import http.client
+from singleflight.etcd.wire import Conn
 
 API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
-_HEADERS = {"Content-Type": "application/json"}
 
 
 DEFAULT_PREFIX = "pearing"
@@ -103,48 +100,22 @@ class Cluster:
         self.root = f"/{prefix}/"
         self.timeout = timeout
         self.api_path = API_PATH
-        self._conns: list[http.client.HTTPConnection | None] = [None] * len(self.endpoints)
+        self._conns: list[Conn | None] = [None] * len(self.endpoints)  # made when first needed
         self.current = 0  # the member that answered last: requests (and watches) go there first
 
-    def _send(self, k: int, path: str, payload: str) -> tuple[int, bytes]:
-        """One request to member ``k``: (HTTP status, body). OSError or HTTPException: the member
-        did not answer. A kept-alive connection the member closed while idle is retried once."""
-        import http.client
-
-        for fresh in (False, True):
-            conn = self._conns[k]
-            reused = conn is not None and not fresh
-            if conn is None or fresh:
-                if conn is not None:
-                    conn.close()
-                host, port = self.endpoints[k]
-                conn = self._conns[k] = http.client.HTTPConnection(host, port, timeout=self.timeout)
-            try:
-                conn.request("POST", API_PATH + path, payload, _HEADERS)
-                resp = conn.getresponse()
-                return resp.status, resp.read()
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                conn.close()
-                self._conns[k] = None
-                if not reused:
-                    raise
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                self._conns[k] = None
-                raise
-        raise AssertionError("unreachable")
-
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import http.client
-
-        payload = json.dumps(body)
+        payload = json.dumps(body).encode()
         errors = []
         for i in range(len(self.endpoints)):
             k = (self.current + i) % len(self.endpoints)
             where = f"{self.endpoints[k][0]}:{self.endpoints[k][1]}"
+            conn = self._conns[k]
+            if conn is None:
+                host, port = self.endpoints[k]
+                conn = self._conns[k] = Conn(host, port, self.timeout)
             try:
-                status, data = self._send(k, path, payload)
-            except (OSError, http.client.HTTPException) as exc:
+                status, data = conn.request(API_PATH + path, payload)
+            except OSError as exc:
                 errors.append(f"{where}: {type(exc).__name__}")
                 continue
             text = data.decode(errors="replace")
