@@ -1,6 +1,6 @@
 """The agent: the detached holder of a ticket taken by ``pearing-cli acquire-lock``,
 ``pearing-mcp`` or ``Lock``. It is pearing-run without a COMMAND: the same acquire
-path (``runner.acquire``), the same holder.
+path (``acquire.acquire``), the same holder.
 
     python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual]
 
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import protocol
 from singleflight.core.const import ExitCode
@@ -26,7 +27,6 @@ from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.holder import Holder, HolderConfig
-from singleflight.runner import acquire
 
 
 def main(argv: list[str]) -> int:
@@ -65,8 +65,8 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     grip = acquire(
         lk,
         ticket,
-        wait=math.inf,
-        deadline=lambda: lk.waiting_deadline(ticket_id),
+        until=math.inf,
+        ticket_deadline=lambda: lk.waiting_deadline(ticket_id),
         on_queued=on_queued,
         timeout_reason="waiting lease expired without heartbeat",
     )
@@ -84,9 +84,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
     chan.send(protocol.ready(taken))
     cfg = HolderConfig(heartbeat_auto=auto, owned_by_wrapper=False)
-    holder = Holder(lease, cfg, chan)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a pending poke is handled now
-    holder.serve()
+    Holder(lease, cfg, chan).serve()  # unblocks: a poke that came meanwhile is handled now
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
+    QUEUE_FIFO,
+    QUEUE_MODES,
     ExitCode,
 )
 from singleflight.core.errors import NotHeld, PearingError, UsageError
@@ -132,6 +134,8 @@ class Lock:
         lock_dir: str | None = None,
         backend: str | None = None,
         identity: str | None = None,
+        queue: str = QUEUE_FIFO,
+        cancel_in_progress: bool = False,
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
@@ -147,6 +151,9 @@ class Lock:
         if heartbeat not in ("auto", "manual"):
             raise UsageError(f"bad heartbeat {heartbeat!r}: must be auto or manual")
         self.heartbeat = heartbeat
+        if queue not in QUEUE_MODES:
+            raise UsageError(f"bad queue {queue!r}: must be fifo or latest")
+        self.queue, self.cancel_in_progress = queue, bool(cancel_in_progress)
         self.lock_dir = resolve_lock_dir(lock_dir)
         self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
         self.identity = identities.resolve(identity)
@@ -166,6 +173,8 @@ class Lock:
                 wait_seconds=self.wait_seconds,
                 identity=self.identity,
                 control=self.heartbeat,
+                queue_mode=self.queue,
+                cancel_in_progress=self.cancel_in_progress,
             )
             if out.code == ExitCode.BUSY:
                 if not self._own_uuid:

@@ -65,8 +65,10 @@ class Place(Protocol):
     def grip(self) -> Grip | None:
         """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
 
-    def queue(self) -> int:
-        """Take a place at the end of the FIFO line; its 1-based position."""
+    def queue(self, deadline: float) -> int:
+        """Take a place at the end of the line, held at most until ``deadline`` (monotonic; later
+        calls of ``wait``'s ``deadline`` may extend it); its 1-based position. A ticket whose
+        ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters and takes their place."""
 
     def wait(self, deadline: Callable[[], float]) -> Grip | None:
         """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.
@@ -97,6 +99,9 @@ class Lease(Protocol):
 
     def keep(self) -> None:
         """While COMMAND is being stopped: keep the lock ours a while longer; never raises."""
+
+    def prepare_request(self, window: float) -> None:
+        """Before COMMAND starts: make recording its success unable to fail for lack of space."""
 
     def record_request(self, status: int | None, window: float) -> None: ...
 
@@ -133,6 +138,10 @@ class LockOps(Protocol):
 
     # -- acquiring ---------------------------------------------------------------------------
     def enter(self, ticket: Ticket) -> Place: ...
+
+    def cancel_holder(self, ticket: Ticket) -> float | None:
+        """--cancel-in-progress: if the holder opted in too, ask it to stop (its token dies
+        first, then its COMMAND) and return its kill grace; None if it did not opt in."""
 
     def take(self, grip: Any, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[Lease, Taken]:
         """In the holder: issue the fence, mint the token, write the token file.

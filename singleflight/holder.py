@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Blocked from the fork until Holder() has its handlers in place.
+HOLDER_SIGNALS = frozenset({signal.SIGUSR1, *_STOP_SIGNALS})
 # poll() takes an int of milliseconds: a ten-year lease must not overflow it.
 _MAX_POLL_MS = 2**31 - 1
 # select() takes at most this many seconds on every platform Python supports.
@@ -108,9 +110,10 @@ class Holder:
         self.cmd_done = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
-        for sig in (signal.SIGUSR1, *_STOP_SIGNALS):
+        for sig in HOLDER_SIGNALS:
             signal.signal(sig, _ignore)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HOLDER_SIGNALS)  # what came meanwhile is handled now
 
     # -- the loop ----------------------------------------------------------
 
@@ -125,6 +128,8 @@ class Holder:
             self.lose(f"internal error in holder (a bug): {exc!r}")
 
     def _serve(self) -> NoReturn:
+        if self.cfg.request_uuid:
+            self.lease.prepare_request(self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
@@ -219,15 +224,39 @@ class Holder:
             self.chan.send(protocol.lost(reason))
         with contextlib.suppress(PearingError):
             self.lease.remove_token_file()
+        if self.cfg.owned_by_wrapper and self.cmd_pid is None:
+            self._await_command()
         self._stop_command()
         self._release_lock_and_exit()
 
+    def _await_command(self) -> None:
+        """Lost before COMMAND started: the wrapper may be spawning it right now. Hear which it
+        is, COMMAND started (then it is stopped) or never will be, before the lock goes."""
+        chan = self.chan
+        while chan is not None and not chan.eof:
+            msg = chan.recv_until(time.monotonic() + _KEEP_EVERY)
+            self.lease.keep()
+            if msg is None:
+                continue
+            if msg.kind == protocol.STARTED:
+                self.cmd_pid, self.cmd_fd = msg.pid, _pidfd(msg.pid, msg.stamp)
+                self.cmd_done = self.cmd_fd is None
+                return
+            if msg.kind == protocol.EXITED:
+                return
+
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
-        if self.cfg.request_uuid:
-            self.lease.record_request(status, self.cfg.dedupe_window)
-        if self.cfg.record_success and status == 0:
-            self.lease.record_success()
+        try:
+            if self.cfg.request_uuid:
+                self.lease.record_request(status, self.cfg.dedupe_window)
+            if self.cfg.record_success and status == 0:
+                self.lease.record_success()
+        except PearingError as exc:
+            # A failed run is retried anyway; a success that could not be recorded must
+            # not pass for one that was: pearing-run exits with this error, naming the path.
+            if status == 0 and self.chan is not None:
+                self.chan.send(protocol.error(exc.exit_code, str(exc)))
         reason = "command ended" if status is None else f"command exited {status}"
         self.lease.end(RELEASED, reason)
         fault.point("mid-release")

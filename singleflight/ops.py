@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from singleflight.core import names, protocol
-from singleflight.core.const import HELD, WAITING, ExitCode
+from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
 from singleflight.core.ticket import Ticket, new_uuid4
@@ -51,6 +51,8 @@ def _outcome(lk: LockOps, t: Ticket) -> Outcome:
         return Outcome(view)
     if view["state"] == WAITING:
         return Outcome(view, ExitCode.BUSY, "still waiting in line")
+    if t.superseded_by:  # a newer `latest` request replaced it: busy, as pearing-run exits
+        return Outcome(view, ExitCode.BUSY, f"ticket {t.ticket_id}: {t.describe_end()}")
     return Outcome(view, ExitCode.REFUSED, f"ticket {t.ticket_id}: {t.describe_end()}")
 
 
@@ -64,6 +66,8 @@ def acquire(
     wait_seconds: float,
     identity: str,
     control: str | None = None,
+    queue_mode: str = QUEUE_FIFO,
+    cancel_in_progress: bool = False,
 ) -> tuple[Outcome, Channel | None]:
     """Take the lock or queue for it; one ticket per request uuid.
 
@@ -82,6 +86,9 @@ def acquire(
             state=WAITING,
             lease_seconds=lease_seconds,
             holder_pid=os.getpid(),
+            queue_mode=queue_mode,
+            cancel_in_progress=cancel_in_progress,
+            kill_grace=0.0,
         )
         t = lk.create(mine)
         if t.ticket_id != mine.ticket_id:

@@ -7,8 +7,8 @@ fd (one open file description, so one flock): whichever dies first, the lock
 is freed only once the other lets go, and the wrapper lets go only once
 COMMAND is dead.
 
-``acquire`` is the one acquire path, shared with the agent behind
-``pearing-cli acquire-lock``, ``pearing-mcp`` and ``Lock``.
+It takes the lock through ``acquire.acquire``, the one acquire path it shares
+with the agent behind ``pearing-cli acquire-lock``, ``pearing-mcp`` and ``Lock``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import fault, proc, protocol
 from singleflight.core.const import (
@@ -35,16 +35,19 @@ from singleflight.core.const import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     EXPIRED,
+    QUEUE_FIFO,
     RELEASED,
+    SUPERSEDED,
     WAITING,
     ExitCode,
 )
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.core.tty import JOB_CONTROL_POLL, Terminal
 
 if TYPE_CHECKING:
-    from singleflight.backend import Grip, LockOps
+    from singleflight.backend import Grip
     from singleflight.core.metrics import Event
     from singleflight.core.protocol import Channel, Taken
     from singleflight.holder import HolderConfig
@@ -61,49 +64,11 @@ FORWARDED_SIGNALS = (
 _DEFAULT_IN_CHILD = (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGALRM)
 
 
-def acquire(
-    lk: LockOps,
-    ticket: Ticket,
-    *,
-    wait: float,
-    deadline: Callable[[], float],
-    on_queued: Callable[[int], None],
-    timeout_reason: str,
-) -> Grip | None:
-    """The lock at once (when free and nobody is in line), or a FIFO place and a bounded wait.
-
-    None when busy (``wait`` 0) or when ``deadline()`` passed first; the ticket
-    is then ended as cancelled with ``timeout_reason``.
-    """
-    place = lk.enter(ticket)
-    if place.grip is not None:
-        return place.grip
-    if wait <= 0:
-        place.leave()
-        return None
-    # Import what holding needs now, while we wait, not after the hand-over.
-    import json  # noqa: F401
-    import secrets  # noqa: F401
-    import select  # noqa: F401
-
-    from singleflight import holder  # noqa: F401
-
-    grip = None
-    try:
-        on_queued(place.queue())
-        grip = place.wait(deadline)
-        if grip is None:
-            with contextlib.suppress(PearingError):
-                lk.end(ticket.ticket_id, CANCELLED, timeout_reason, only_if_held=False)
-    finally:
-        place.leave()
-    return grip
-
-
 class RunOptions:
     __slots__ = (
         "backend",
         "busy_exit_code",
+        "cancel_in_progress",
         "command",
         "dedupe_window",
         "heartbeat_auto",
@@ -116,6 +81,7 @@ class RunOptions:
         "max_runtime",
         "metrics_dir",
         "min_interval",
+        "queue",
         "repo",
         "request_uuid",
         "skip_if",
@@ -145,6 +111,8 @@ class RunOptions:
         log_format: str = "text",
         min_interval: float | None = None,
         metrics_dir: str | None = None,
+        queue: str = QUEUE_FIFO,
+        cancel_in_progress: bool = False,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
@@ -152,6 +120,7 @@ class RunOptions:
         self.request_uuid, self.dedupe_window, self.skip_if = request_uuid, dedupe_window, skip_if
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
         self.min_interval, self.metrics_dir = min_interval, metrics_dir
+        self.queue, self.cancel_in_progress = queue, cancel_in_progress
 
     job: str
     repo: str
@@ -172,6 +141,8 @@ class RunOptions:
     log_format: str
     min_interval: float | None
     metrics_dir: str | None
+    queue: str
+    cancel_in_progress: bool
 
 
 class Runner:
@@ -185,6 +156,7 @@ class Runner:
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
+        self.tty = Terminal()
 
     # -- top level ---------------------------------------------------------
 
@@ -201,6 +173,9 @@ class Runner:
             lease_seconds=o.lease_seconds,
             holder_pid=os.getpid(),
             holder_start=proc.start_time(os.getpid()),
+            queue_mode=o.queue,
+            cancel_in_progress=o.cancel_in_progress,
+            kill_grace=o.kill_grace,
         )
         if self._done_recently():
             return 0
@@ -273,11 +248,6 @@ class Runner:
     def _acquire(self) -> Grip | None:
         o, lk, tid = self.o, self.lk, self.ticket.ticket_id
         started = time.monotonic()
-        until = started + o.wait_seconds
-
-        def deadline() -> float:
-            # release-lock-ticket on our waiting ticket cancels it: 0 ends the wait.
-            return min(until, lk.waiting_deadline(tid))
 
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
@@ -286,14 +256,18 @@ class Runner:
         grip = acquire(
             lk,
             self.ticket,
-            wait=o.wait_seconds,
-            deadline=deadline,
+            until=started + o.wait_seconds,
+            # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
+            ticket_deadline=lambda: lk.waiting_deadline(tid),
             on_queued=on_queued,
             timeout_reason="wait timed out",
         )
         self.waited = time.monotonic() - started
         if grip is None:
-            if o.wait_seconds <= 0:
+            ended = lk.read(tid) if self.ticket.promoted else None
+            if ended is not None and ended.superseded_by:
+                self.log.event("superseded", lock=o.job, by=ended.superseded_by)
+            elif not self.ticket.promoted:
                 self.log.event("busy", lock=o.job, repo=o.repo)
             else:
                 self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
@@ -334,15 +308,19 @@ class Runner:
             promoted=int(self.ticket.promoted),
         )
         env = self._command_env(taken)
-        if o.skip_if is not None:
+        if o.skip_if is not None and not self._heard_lost(chan):
             check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
             if self.lost:
-                return self._finish(chan, 1, int(ExitCode.LEASE_LOST), ran=False)
+                return self._finish(chan, 1, self._lost_code(), ran=False)
             if status == 0:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
                 self._metric("deduplicated")
                 return self._finish(chan, 0, 0, ran=False)
+        if self._heard_lost(chan):
+            # The lease was lost before COMMAND could start (a stop signal at the holder's
+            # start, a lease shorter than our start-up): never start it.
+            return self._finish(chan, 1, self._lost_code(), ran=False)
         self.started_mono = time.monotonic()
         self._metric("start")
         pid = self._spawn(o.command, env, chan)
@@ -350,24 +328,29 @@ class Runner:
             return self._finish(chan, -pid, -pid)
         status = self._wait_child(pid, chan)
         code = status if status is not None else int(ExitCode.LEASE_LOST)
-        return self._finish(chan, code, int(ExitCode.LEASE_LOST) if self.lost else code)
+        return self._finish(chan, code, self._lost_code() if self.lost else code)
 
     def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
         from singleflight.core.protocol import Channel
-        from singleflight.holder import detach
+        from singleflight.holder import HOLDER_SIGNALS, detach
 
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
+        # Until the holder's own handlers are in place (Holder() unblocks them), a stop
+        # signal or a poke stays pending instead of hitting the wrapper's handlers in it.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, HOLDER_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the holder
             code = ExitCode.SOFTWARE
             try:
+                fault.pause("pause-holder-start")
                 os.close(to_w)
                 os.close(from_r)
                 detach({*grip.fds(), to_r, from_w})
                 code = _serve(self.o, self.ticket, grip, cfg, Channel(to_r, from_w))
             finally:
                 os._exit(int(code))
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
         os.close(to_r)
         os.close(from_w)
         self.holder_pid = pid
@@ -400,6 +383,7 @@ class Runner:
             self.log.error(f"command {what}: {argv[0]}: {exc.strerror}")
             return -int(code)
         self.cmd_pid = pid
+        self.tty.give(pid)
         chan.send(protocol.started(pid, proc.start_time(pid) or 0))
         for sig in self.pending:
             _killpg(pid, sig)
@@ -424,18 +408,21 @@ class Runner:
         # are recorded apart from it): a holder frozen (SIGSTOP, a swap storm) must not let the
         # lease lapse into a second COMMAND while ours runs.
         every = self.grip.keep_every if self.grip is not None else None
+        if self.tty.fd >= 0:
+            every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
         timeout = None if every is None else int(every * 1000)
         try:
             while True:
                 events = poller.poll(timeout)
-                if not events and self.grip is not None:
-                    self.grip.keep()
+                if not events:
+                    if self.grip is not None:
+                        self.grip.keep()
+                    if self.tty.fd >= 0 and (code := self._relay_stop(pid)) is not None:
+                        return code
                 for fd, _ev in events:
                     if fd == pidfd:
                         _, status = os.waitpid(pid, 0)
-                        self.cmd_pid = None
-                        code = os.waitstatus_to_exitcode(status)
-                        return 128 - code if code < 0 else code
+                        return self._ended(status)
                     chan.fill()
                     for msg in chan.messages():
                         if msg.kind == protocol.LOST and self.lost is None:
@@ -447,13 +434,54 @@ class Runner:
         finally:
             os.close(pidfd)
 
+    def _heard_lost(self, chan: Channel) -> bool:
+        """Has the holder said the lease is lost? Reads what is there, without blocking."""
+        import select
+
+        while self.lost is None and not chan.eof and select.select([chan.rfd], [], [], 0)[0]:
+            chan.fill()
+            for msg in chan.messages():
+                if msg.kind == protocol.LOST:
+                    self._lost(msg.text)
+        return self.lost is not None
+
+    def _ended(self, status: int) -> int:
+        """COMMAND's exit status as a shell reports it (128+N for signal N); the terminal comes back."""
+        self.cmd_pid = None
+        self.tty.take_back()
+        code = os.waitstatus_to_exitcode(status)
+        return 128 - code if code < 0 else code
+
+    def _relay_stop(self, pid: int) -> int | None:
+        """^Z stopped COMMAND: stop ourselves too, so the shell regains the terminal; on ``fg``
+        give it back and continue COMMAND (as if it were one job, like flock(1)'s child)."""
+        wpid, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
+        if wpid != pid:
+            return None
+        if not os.WIFSTOPPED(status):
+            return self._ended(status)
+        self.tty.take_back()
+        os.kill(os.getpid(), signal.SIGSTOP)  # the shell sees its job stopped; `fg` continues us
+        self.tty.give(pid)
+        return None
+
     def _lost(self, reason: str) -> None:
         self.lost = reason
+        if reason.startswith(SUPERSEDED):
+            # A newer run that opted in to cancel-in-progress asked us to stop: we exit busy.
+            self.log.event("superseded", lock=self.o.job, by=reason[len(SUPERSEDED) :])
+            return
         if not self.o.heartbeat_auto and "expire" in reason:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
         self.log.event("lease-lost", lock=self.o.job, reason=reason)
         self._metric("lease_lost")
+
+    def _lost_code(self) -> int:
+        """124, or the busy code when a newer opted-in run cancelled us."""
+        if self.lost is not None and self.lost.startswith(SUPERSEDED):
+            return self.o.busy_exit_code
+        return int(ExitCode.LEASE_LOST)
 
     def _holder_vanished(self, pid: int) -> None:
         """The holder died (kill -9): the token dies first, then COMMAND is stopped; our grip
@@ -479,13 +507,16 @@ class Runner:
         self._let_go()  # COMMAND is dead: only the holder's copy of the lock remains
         if ran:
             # Before the release: the next holder's "start" must land after this "end".
-            code = int(ExitCode.LEASE_LOST) if self.lost else exit_code
+            code = self._lost_code() if self.lost else exit_code
             self._metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
             if msg.kind == protocol.LOST and self.lost is None:
                 self._lost(msg.text)
-                exit_code = int(ExitCode.LEASE_LOST)
+                exit_code = self._lost_code()
+            elif msg.kind == protocol.ERROR:
+                self.log.error(msg.text)
+                exit_code = int(msg.code)
         if msg is None and self.lost is None:
             # The holder died after COMMAND ended: finish its bookkeeping here.
             self._release_without_holder(status)
@@ -494,7 +525,7 @@ class Runner:
         chan.close()
         _reap(self.holder_pid)
         if self.lost:
-            return int(ExitCode.LEASE_LOST)
+            return self._lost_code()
         self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
         return exit_code
 

@@ -300,7 +300,7 @@ class Procs:
         for path in locks.rglob("*.json"):
             if path.parent.name not in ("tickets", "ended"):
                 continue
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 pid = json.loads(path.read_text()).get("holder_pid")
                 if isinstance(pid, int) and pid > 1:
                     pids.add(pid)
@@ -327,6 +327,77 @@ class Procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=5)
+
+
+# -- what a user sees, on either backend: pearing-cli's JSON -------------------------------------
+
+
+def cli_json(procs: Procs, *args: str) -> Any:
+    """``pearing-cli ARGS`` (in the test's environment, so on its backend), which must exit 0: its JSON."""
+    r = procs.run([PEARING_CLI, *args])
+    assert r.returncode == 0, r
+    return json.loads(r.stdout)
+
+
+def lock_status(procs: Procs, job: str, repo: str = "default") -> dict[str, Any]:
+    """``pearing-cli status JOB``'s entry for the lock; a lock the backend does not list is free."""
+    locks = cli_json(procs, "status", job, "--repo", repo)
+    if not locks:
+        return {"lock_name": job, "repo": repo, "state": "free", "holder": None, "waiters": []}
+    [entry] = locks
+    assert isinstance(entry, dict)
+    return entry
+
+
+def get_ticket(procs: Procs, job: str, ticket_id: str, repo: str = "default") -> dict[str, Any]:
+    """``pearing-cli get-lock-ticket JOB TICKET``."""
+    ticket = cli_json(procs, "get-lock-ticket", job, ticket_id, "--repo", repo)
+    assert isinstance(ticket, dict)
+    return ticket
+
+
+def wait_queued(procs: Procs, job: str, count: int, repo: str = "default", timeout: float = 15.0) -> None:
+    """Wait until ``count`` runs wait in line on the lock, each in its place (as ``status`` shows it)."""
+
+    def queued() -> bool:
+        waiters = lock_status(procs, job, repo)["waiters"]
+        return [w["queue_position"] for w in waiters] == list(range(1, count + 1))
+
+    wait_for(queued, timeout, f"{count} waiter(s) in line on {job}")
+
+
+def backend_url(env: dict[str, str]) -> str | None:
+    """The etcd URL the test's commands use, or None on the lock dir."""
+    from singleflight.core.const import ENV_BACKEND
+
+    return env.get(ENV_BACKEND)
+
+
+def stored_blobs(env: dict[str, str], lock_dir: Path) -> dict[str, bytes]:
+    """Everything the backend keeps: the lock dir's files and, on etcd, the values under the
+    test's tenant prefix. Named by path or key."""
+    out = {str(f): f.read_bytes() for f in all_files(lock_dir)} if lock_dir.is_dir() else {}
+    url = backend_url(env)
+    if url is not None:
+        from singleflight.etcd.client import Cluster
+
+        cluster = Cluster(url)
+        kvs, _ = cluster.range_prefix(cluster.root)
+        out.update({kv["key"]: kv["value"] for kv in kvs})
+    return out
+
+
+def ticket_ids(env: dict[str, str], lock_dir: Path, job: str, repo: str = "default") -> set[str]:
+    """Every ticket the backend has recorded for the lock, live or ended."""
+    url = backend_url(env)
+    if url is None:
+        return {rec["ticket_id"] for sub in ("tickets", "ended") for rec in ticket_records(lock_dir, job, sub, repo)}
+    from singleflight.etcd.client import Cluster
+
+    cluster = Cluster(url)
+    prefix = f"{cluster.root}{repo}/@{job}/t/"  # every ticket as created, kept an hour
+    kvs, _ = cluster.range_prefix(prefix)
+    return {kv["key"][len(prefix) :] for kv in kvs}
 
 
 # -- reliability suite: consistent snapshots of a lock's records ----------------------------------

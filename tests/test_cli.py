@@ -2,7 +2,9 @@
 
 Real processes only. Every wait is on a file, on command output or on a process
 the test started (``wait_for`` polls every 10 ms with a hard timeout). Detached
-holders (``python -m singleflight.agent``) are killed at teardown.
+holders (``python -m singleflight.agent``) are killed at teardown. Every test takes
+``backend``: the same commands and JSON on the lock dir and on etcd (where fences are
+the cluster's revisions, not 1, 2, 3).
 """
 
 from __future__ import annotations
@@ -18,9 +20,20 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import PEARING_CLI, PEARING_RUN, Procs, TextResult, line_file, pid_alive, q, wait_for
+from helpers import (
+    PEARING_CLI,
+    PEARING_RUN,
+    Procs,
+    TextResult,
+    line_file,
+    pid_alive,
+    q,
+    stored_blobs,
+    ticket_ids,
+    wait_for,
+)
 
-from singleflight.core.const import ENV_IDENTITY, ENV_TICKET, ExitCode
+from singleflight.core.const import ENV_BACKEND, ENV_IDENTITY, ENV_TICKET, ExitCode
 
 # The seed walkthrough's values.
 _REPO = "teams/platform/website"
@@ -45,8 +58,21 @@ _FIELDS = (
 _RFC3339_UTC = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 
 
-def _ticket_files(lock_dir: Path) -> list[Path]:
-    return sorted(lock_dir.glob("locks/**/tickets/*.json")) + sorted(lock_dir.glob("locks/**/ended/*.json"))
+def _tickets(procs: Procs, lock_dir: Path) -> set[str]:
+    """Every ticket the backend recorded for the seed's lock, live or ended."""
+    return ticket_ids(procs.env, lock_dir, _LOCK, _REPO)
+
+
+def _first_fence(backend: str, fence: int) -> None:
+    """A fresh lock's first fence: 1 in the lock dir, the key's create revision on etcd."""
+    assert fence == 1 if backend == "local" else fence >= 1, fence
+
+
+def _holder(ticket: dict[str, object]) -> int:
+    """A held CLI ticket's detached holder, which must be running."""
+    pid = ticket["holder_pid"]
+    assert isinstance(pid, int) and pid_alive(pid), f"the detached holder should be running: {ticket}"
+    return pid
 
 
 def _epoch(rfc3339: str) -> float:
@@ -102,7 +128,7 @@ def _state(procs: Procs, ticket_id: str, lock: str = _LOCK, repo: str = _REPO) -
 # -- the seed walkthrough ------------------------------------------------------
 
 
-def test_seed_walkthrough(work_procs: Procs) -> None:
+def test_seed_walkthrough(backend: str, work_procs: Procs) -> None:
     acq = _acquire(work_procs)
     assert acq.returncode == 0, acq
     t = acq.json
@@ -110,7 +136,7 @@ def test_seed_walkthrough(work_procs: Procs) -> None:
     for field in _FIELDS:
         assert field in t, f"ticket lacks {field}: {t}"
     assert t["state"] == "held"
-    assert t["fence"] == 1
+    _first_fence(backend, t["fence"])
     assert t["request_uuid"] == _UUID
     assert t["lock_name"] == _LOCK
     assert t["repo"] == _REPO
@@ -120,8 +146,7 @@ def test_seed_walkthrough(work_procs: Procs) -> None:
     assert _RFC3339_UTC.match(t["lease_expires_at"]), t["lease_expires_at"]
     assert 50 < _epoch(t["lease_expires_at"]) - time.time() <= 61
     uuid.UUID(t["ticket_id"])
-    holder_pid = t["holder_pid"]
-    assert isinstance(holder_pid, int) and pid_alive(holder_pid), "the detached holder should be running"
+    holder_pid = _holder(t)
     token_file = Path(t["token_file"])
     assert token_file.is_file()
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -131,7 +156,7 @@ def test_seed_walkthrough(work_procs: Procs) -> None:
     assert got.returncode == 0, got
     assert got.json["ticket_id"] == tid
     assert got.json["state"] == "held"
-    assert got.json["fence"] == 1
+    assert got.json["fence"] == t["fence"]
 
     act = _cli(work_procs, "update-user-activity", "--activity", _ACTIVITY)
     assert act.returncode == 0, act
@@ -145,7 +170,6 @@ def test_seed_walkthrough(work_procs: Procs) -> None:
     assert hb.json["state"] == "held"
     assert _RFC3339_UTC.match(hb.json["lease_expires_at"])
     assert _epoch(hb.json["lease_expires_at"]) > _epoch(t["lease_expires_at"])
-    assert _get(work_procs, tid).json["lease_expires_at"] == hb.json["lease_expires_at"]
 
     rel = _cli(work_procs, "release-lock-ticket", _LOCK, tid, "--repo", _REPO)
     assert rel.returncode == 0, rel
@@ -174,7 +198,7 @@ def test_seed_walkthrough(work_procs: Procs) -> None:
 # -- queueing and idempotency ------------------------------------------------
 
 
-def test_second_identity_waits_then_is_promoted(work_procs: Procs, lock_dir: Path) -> None:
+def test_second_identity_waits_then_is_promoted(backend: str, work_procs: Procs, lock_dir: Path) -> None:
     first = _acquire(work_procs)
     assert first.returncode == 0, first
     first_t = first.json
@@ -187,6 +211,9 @@ def test_second_identity_waits_then_is_promoted(work_procs: Procs, lock_dir: Pat
     assert w["identity"] == "codex"
     assert w["fence"] is None
     assert "token_file" not in w or w["token_file"] is None
+    # Far enough past the queueing that a lease counted from then would fail the check below.
+    queued_at = _epoch(w["lease_expires_at"]) - 60
+    wait_for(lambda: time.time() > queued_at + 1.5, 10, "time to pass since codex queued")
 
     released_at = time.time()
     rel = _cli(work_procs, "release-lock-ticket", _LOCK, first_t["ticket_id"], "--repo", _REPO)
@@ -200,33 +227,47 @@ def test_second_identity_waits_then_is_promoted(work_procs: Procs, lock_dir: Pat
     assert r["fence"] > first_t["fence"]
     assert r["identity"] == "codex"
     assert r["queue_position"] is None
-    # Its lease started when it was promoted, not when it queued.
-    assert _epoch(r["lease_expires_at"]) >= released_at + 60 - 0.05
+    # Its lease started when it was promoted, not when it queued. etcd reports the expiry from
+    # the lease's remaining whole seconds: up to a second early.
+    slack = 0.05 if backend == "local" else 1.05
+    assert _epoch(r["lease_expires_at"]) >= released_at + 60 - slack
     # One ticket per request uuid: the first holder's and codex's, nothing else.
-    assert len(_ticket_files(lock_dir)) == 2
+    assert _tickets(work_procs, lock_dir) == {first_t["ticket_id"], w["ticket_id"]}
 
 
-def test_same_uuid_retry_while_held_returns_same_ticket_fast(work_procs: Procs, lock_dir: Path) -> None:
+def test_same_uuid_retry_while_held_returns_same_ticket_fast(backend: str, work_procs: Procs, lock_dir: Path) -> None:
     first = _acquire(work_procs)
     assert first.returncode == 0, first
-    files = _ticket_files(lock_dir)
-    assert len(files) == 1
+    assert _tickets(work_procs, lock_dir) == {first.json["ticket_id"]}
     retry = _acquire(work_procs, wait="30")
     assert retry.returncode == 0, retry
     assert retry.elapsed < 10, f"a retry with the same uuid waited {retry.elapsed:.1f} s behind itself"
     assert retry.json["ticket_id"] == first.json["ticket_id"]
     assert retry.json["state"] == "held"
-    assert retry.json["fence"] == first.json["fence"] == 1
-    assert _ticket_files(lock_dir) == files
+    assert retry.json["fence"] == first.json["fence"]
+    _first_fence(backend, retry.json["fence"])
+    assert _tickets(work_procs, lock_dir) == {first.json["ticket_id"]}
 
 
-def test_lease_expiry_without_heartbeat_frees_the_lock(work_procs: Procs) -> None:
+def test_same_uuid_at_once_makes_one_ticket(backend: str, work_procs: Procs) -> None:
+    """Two agents retry one acquisition at the same moment: one ticket, both see it."""
+    argv = [PEARING_CLI, "acquire-lock", _LOCK, "--request-uuid", _UUID, "--lease-seconds", "30", "--repo", _REPO]
+    calls = [work_procs.start(argv, text=True) for _ in range(4)]
+    results = [work_procs.finish(p) for p in calls]
+    assert [r.returncode for r in results] == [0] * 4, results
+    tickets = {json.loads(r.stdout)["ticket_id"] for r in results}
+    assert len(tickets) == 1, results
+    st = _cli(work_procs, "status", _LOCK, "--repo", _REPO).json
+    assert [(x["holder"]["ticket_id"], x["waiters"]) for x in st] == [(tickets.pop(), [])], st
+
+
+def test_lease_expiry_without_heartbeat_frees_the_lock(backend: str, work_procs: Procs) -> None:
     started = time.monotonic()
-    acq = _acquire(work_procs, lease="1", wait="0")
+    acq = _acquire(work_procs, lease="2", wait="0")  # etcd's shortest lease
     assert acq.returncode == 0, acq
-    tid, holder_pid = acq.json["ticket_id"], acq.json["holder_pid"]
+    tid, holder_pid = acq.json["ticket_id"], _holder(acq.json)
     wait_for(lambda: _state(work_procs, tid) == "expired", 15, "the unheartbeated ticket to expire")
-    assert time.monotonic() - started >= 0.9
+    assert time.monotonic() - started >= 1.9
     wait_for(lambda: not pid_alive(holder_pid), 10, "the holder to exit after expiry")
     hb = _cli(work_procs, "heartbeat-lock-ticket", _LOCK, tid, "--lease-seconds", "60", "--repo", _REPO)
     assert hb.returncode == ExitCode.REFUSED, hb
@@ -237,17 +278,44 @@ def test_lease_expiry_without_heartbeat_frees_the_lock(work_procs: Procs) -> Non
     nxt = _acquire(work_procs, _UUID2, wait="0", identity="codex")
     assert nxt.returncode == 0, nxt
     assert nxt.json["state"] == "held"
-    assert nxt.json["fence"] == 2
+    assert nxt.json["fence"] > acq.json["fence"]
+    assert backend != "local" or nxt.json["fence"] == 2
 
 
-def test_waiting_ticket_without_heartbeat_leaves_the_queue(work_procs: Procs) -> None:
+def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: Procs, lock_dir: Path) -> None:
+    """Sampled densely through ``ops.get``, the very function get-lock-ticket prints, in-process:
+    a process per read would step over the lease's last second."""
+    from singleflight import ops
+    from singleflight.backend import open_backend
+
+    acq = _acquire(work_procs, lease="2", wait="0")
+    assert acq.returncode == 0, acq
+    tid = acq.json["ticket_id"]
+    held: list[object] = []
+
+    def ended() -> bool:
+        t = ops.get(b, _LOCK, _REPO, tid)
+        if t["state"] == "held":
+            held.append(t["lease_expires_at"])
+        return t["state"] != "held"
+
+    b = open_backend(work_procs.env.get(ENV_BACKEND), str(lock_dir))
+    try:
+        wait_for(ended, 15, "the unheartbeated lease to run out")
+    finally:
+        b.close()
+    assert len(held) > 10, held
+    assert all(isinstance(x, str) and _RFC3339_UTC.match(x) for x in held), held
+
+
+def test_waiting_ticket_without_heartbeat_leaves_the_queue(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
     w = _acquire(work_procs, _UUID2, lease="2", wait="0.2", identity="codex")
     assert w.returncode == ExitCode.BUSY, w
     assert w.json["state"] == "waiting"
     tid = w.json["ticket_id"]
-    wait_for(lambda: _state(work_procs, tid) == "cancelled", 15, "the abandoned waiting ticket to be cancelled")
+    wait_for(lambda: _state(work_procs, tid) == "cancelled", 8, "the abandoned waiting ticket to be cancelled")
     got = _get(work_procs, tid).json
     assert got["queue_position"] is None
     st = _cli(work_procs, "status", "--repo", _REPO)
@@ -257,7 +325,7 @@ def test_waiting_ticket_without_heartbeat_leaves_the_queue(work_procs: Procs) ->
     assert entry["holder"]["ticket_id"] == holder.json["ticket_id"]
 
 
-def test_heartbeat_keeps_a_waiting_ticket_in_line(work_procs: Procs) -> None:
+def test_heartbeat_keeps_a_waiting_ticket_in_line(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
     w = _acquire(work_procs, _UUID2, lease="3", wait="0.2", identity="codex")
@@ -273,7 +341,7 @@ def test_heartbeat_keeps_a_waiting_ticket_in_line(work_procs: Procs) -> None:
     assert got.json["queue_position"] == 1
 
 
-def test_waiters_are_served_in_fifo_order(work_procs: Procs) -> None:
+def test_waiters_are_served_in_fifo_order(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
     uuid_a, uuid_b = "3c1d2e4f-5a6b-4c7d-8e9f-0a1b2c3d4e5f", "4d2e3f5a-6b7c-4d8e-9f0a-1b2c3d4e5f60"
@@ -285,7 +353,7 @@ def test_waiters_are_served_in_fifo_order(work_procs: Procs) -> None:
     a_held = _acquire(work_procs, uuid_a, wait="10", identity="codex")
     assert a_held.returncode == 0, a_held
     assert a_held.json["state"] == "held"
-    assert a_held.json["fence"] == 2
+    assert a_held.json["fence"] > holder.json["fence"]
     b_still = _acquire(work_procs, uuid_b, wait="0.2", identity="gemini")
     assert b_still.returncode == ExitCode.BUSY, b_still
     assert b_still.json["ticket_id"] == b.json["ticket_id"]
@@ -293,13 +361,15 @@ def test_waiters_are_served_in_fifo_order(work_procs: Procs) -> None:
     assert _cli(work_procs, "release-lock-ticket", _LOCK, a_held.json["ticket_id"], "--repo", _REPO).returncode == 0
     b_held = _acquire(work_procs, uuid_b, wait="10", identity="gemini")
     assert b_held.returncode == 0, b_held
-    assert b_held.json["fence"] == 3
+    assert b_held.json["fence"] > a_held.json["fence"]
+    if backend == "local":
+        assert [t.json["fence"] for t in (holder, a_held, b_held)] == [1, 2, 3]
 
 
 # -- status ------------------------------------------------------------------
 
 
-def test_status_lists_holder_and_waiters(work_procs: Procs) -> None:
+def test_status_lists_holder_and_waiters(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
     assert _cli(work_procs, "update-user-activity", "--activity", _ACTIVITY).returncode == 0
@@ -333,7 +403,7 @@ def test_status_lists_holder_and_waiters(work_procs: Procs) -> None:
     assert [(x["lock_name"], x["repo"]) for x in default.json] == [("checkin", "default")]
 
 
-def test_status_is_json_off_a_terminal_and_a_table_on_one(work_procs: Procs) -> None:
+def test_status_is_json_off_a_terminal_and_a_table_on_one(backend: str, work_procs: Procs) -> None:
     acq = _acquire(work_procs)
     assert acq.returncode == 0, acq
     piped = _cli(work_procs, "status", "--repo", _REPO)
@@ -410,7 +480,7 @@ _U = "11111111-2222-4333-8444-555555555555"
     ],
 )
 def test_bad_arguments_exit_64_with_one_line(
-    work_procs: Procs, tmp_path: Path, lock_dir: Path, args: list[str], named: str | None
+    backend: str, work_procs: Procs, tmp_path: Path, lock_dir: Path, args: list[str], named: str | None
 ) -> None:
     def outside() -> list[str]:
         return sorted(p.name for p in tmp_path.iterdir() if p != lock_dir)
@@ -424,15 +494,16 @@ def test_bad_arguments_exit_64_with_one_line(
     # Nothing outside the lock dir, and no lock inside it.
     assert outside() == before, "a bad argument created files outside the lock dir"
     assert not list(lock_dir.glob("locks/**/@*")), "a bad argument created a lock"
+    assert not [k for k in stored_blobs(work_procs.env, lock_dir) if "/@" in k], "a bad argument created a lock"
 
 
 # -- inside a pearing-run COMMAND --------------------------------------------
 
 
-def test_defaults_from_environment_inside_pearing_run(work_procs: Procs, work: Path) -> None:
+def test_defaults_from_environment_inside_pearing_run(backend: str, work_procs: Procs, work: Path) -> None:
     script = (
-        f'echo "${ENV_TICKET}" > ticket; '
-        f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 5 > hb.json; echo $? > hb.rc; "
+        f'echo "${ENV_TICKET}" > ticket; echo "$PEARING_FENCE" > fence; '
+        f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 30 > hb.json; echo $? > hb.rc; "
         f"{q(PEARING_CLI)} get-lock-ticket > get.json; echo $? > get.rc"
     )
     r = work_procs.run_text(
@@ -464,7 +535,32 @@ def test_defaults_from_environment_inside_pearing_run(work_procs: Procs, work: P
         assert t["lock_name"] == "thread-work.7"
         assert t["repo"] == "teams/platform/api"
         assert t["state"] == "held"
-        assert t["fence"] == 1
-    assert hb["lease_seconds"] == 5
-    assert got["lease_expires_at"] == hb["lease_expires_at"]
-    assert _epoch(hb["lease_expires_at"]) - time.time() < 6
+        assert t["fence"] == int(line_file(work / "fence") or "0")
+    _first_fence(backend, hb["fence"])
+    assert hb["lease_seconds"] == 30
+
+
+def test_heartbeat_sets_the_new_lease_length(backend: str, work_procs: Procs, work: Path) -> None:
+    """SPEC: heartbeat-lock-ticket NAME TICKET_ID --lease-seconds N: the lease now runs N seconds."""
+    script = (
+        f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 5 > hb.json; echo $? > hb.rc; "
+        f"{q(PEARING_CLI)} get-lock-ticket > get.json"
+    )
+    argv = [PEARING_RUN, "--job", "thread-work.7", "--heartbeat", "manual", "--lease-seconds", "30"]
+    r = work_procs.run_text([*argv, "--", "sh", "-c", script], timeout=45.0)
+    assert r.returncode == 0, r.stderr
+    assert line_file(work / "hb.rc") == "0"
+    hb = json.loads((work / "hb.json").read_text())
+    got = json.loads((work / "get.json").read_text())
+    assert hb["lease_seconds"] == got["lease_seconds"] == 5, (hb, got)
+    assert _epoch(hb["lease_expires_at"]) - time.time() < 6, hb
+
+
+def test_get_shows_the_expiry_the_last_heartbeat_set(backend: str, work_procs: Procs) -> None:
+    acq = _acquire(work_procs)
+    assert acq.returncode == 0, acq
+    tid = acq.json["ticket_id"]
+    hb = _cli(work_procs, "heartbeat-lock-ticket", _LOCK, tid, "--lease-seconds", "60", "--repo", _REPO)
+    assert hb.returncode == 0, hb
+    seen = [_get(work_procs, tid).json["lease_expires_at"] for _ in range(3)]
+    assert seen == [hb.json["lease_expires_at"]] * 3, (hb.json["lease_expires_at"], seen)

@@ -1,12 +1,11 @@
-"""The etcd backend against a real 3-member cluster: the same behaviour as the lock dir,
-and the faults only a distributed lock has (dead member, dead leader, partition)."""
+"""The etcd backend against a real 3-member cluster: what only etcd has (ETCD_LOCK_KEY /
+ETCD_LOCK_REV), and the faults only a distributed lock has (dead member, dead leader,
+partition, a lease lapsing in the cluster). The behaviour both backends share is tested on
+both by the other files, through the `backend` fixture."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
-import stat
 import time
 import uuid
 from pathlib import Path
@@ -31,126 +30,14 @@ def _queued(url: str, job: str) -> int:
     return len(kvs)
 
 
-def _wait_queued(env: dict[str, str], lock_dir: Path, job: str, n: int) -> None:
-    """Wait until n runs hold or wait on the lock (the holder counts on etcd)."""
-    if ENV_BACKEND in env:
-        wait_for(lambda: _queued(env[ENV_BACKEND], job) >= n + 1, 15, f"{n} waiters on etcd")
-    else:
-        qdir = lock_dir / "locks/default" / f"@{job}" / "queue"
-        wait_for(lambda: qdir.exists() and len([x for x in os.listdir(qdir) if x[0].isdigit()]) >= n, 15, "queue")
+def _wait_queued(url: str, job: str, n: int) -> None:
+    """Wait until n runs wait on the lock behind its holder (whose key counts too)."""
+    wait_for(lambda: _queued(url, job) >= n + 1, 15, f"{n} waiters on etcd")
 
 
-# -- the same contract on both backends ------------------------------------------------------
-
-
-def test_env_fence_token_file_and_busy(backend: str, procs: Procs, work: Path, job: str) -> None:
-    gate = Gate(work)
-    script = f"env | grep -E '^(PEARING|ETCD)_' | sort > {q(work / 'env')}; {gate.script()}"
-    holder = procs.pr("--job", job, "--", "sh", "-c", script)
-    gate.wait_ready()
-    busy = procs.pr_run("--job", job, "--", "true")
-    assert busy.returncode == ExitCode.BUSY and busy.stdout == b"" and busy.stderr == b""
-    assert busy.elapsed < 2.0
-    gate.open()
-    assert procs.finish(holder).returncode == 0
-    env = dict(line.split("=", 1) for line in (work / "env").read_text().splitlines())
-    assert int(env["PEARING_FENCE"]) >= 1 and env["PEARING_PROMOTED"] == "0"
-    assert len(env["PEARING_TOKEN"]) >= 32
-    if backend != "local":
-        assert env["ETCD_LOCK_KEY"].endswith(env["PEARING_TICKET"])
-        assert env["ETCD_LOCK_REV"] == env["PEARING_FENCE"]
-    assert not Path(env["PEARING_TOKEN_FILE"]).exists()  # removed after the run
-
-
-def test_fifo_five_waiters_in_order(backend: str, procs: Procs, work: Path, job: str, env: dict[str, str]) -> None:
-    gate = Gate(work)
-    log = work / "order"
-    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
-    gate.wait_ready()
-    waiters = []
-    for i in range(5):
-        cmd = f"echo {i} $PEARING_FENCE $PEARING_PROMOTED >> {q(log)}"
-        waiters.append(procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", cmd))
-        _wait_queued(env, procs.lock_dir, job, i + 1)
-    gate.open()
-    assert procs.finish(holder).returncode == 0
-    assert [procs.finish(w).returncode for w in waiters] == [0] * 5
-    rows = [line.split() for line in log.read_text().splitlines()]
-    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"]
-    fences = [int(r[1]) for r in rows]
-    assert fences == sorted(fences) and len(set(fences)) == 5
-    assert {r[2] for r in rows} == {"1"}
-
-
-def test_contenders_never_overlap(backend: str, procs: Procs, work: Path, job: str) -> None:
-    n = 12
-    cmd = "echo start $PEARING_FENCE $(date +%s%N) >> {f}; echo end $PEARING_FENCE $(date +%s%N) >> {f}"
-    runs = [
-        procs.pr("--job", job, "--wait-seconds", "120", "--", "sh", "-c", cmd.format(f=q(work / f"c{i}")))
-        for i in range(n)
-    ]
-    assert [procs.finish(p, timeout=120).returncode for p in runs] == [0] * n
-    spans = []
-    for i in range(n):
-        (s, f1, t1), (e, f2, t2) = (line.split() for line in (work / f"c{i}").read_text().splitlines())
-        assert (s, e, f1) == ("start", "end", f2)
-        spans.append((int(t1), int(t2), int(f1)))
-    spans.sort()
-    for a, b in itertools.pairwise(spans):
-        assert a[1] <= b[0], "two holders at once"
-        assert a[2] < b[2], "fence not increasing in start order"
-
-
-def test_request_uuid_replay_runs_once(backend: str, procs: Procs, work: Path, job: str) -> None:
-    u = str(uuid.uuid4())
-    cmd = ["--job", job, "--request-uuid", u, "--", "sh", "-c", f"echo x >> {q(work / 'ran')}"]
-    assert procs.pr_run(*cmd).returncode == 0
-    assert procs.pr_run(*cmd).returncode == 0
-    assert (work / "ran").read_text() == "x\n"
-
-
-def test_guard_verify_and_superseded(backend: str, procs: Procs, work: Path, job: str) -> None:
-    copy = work / "old.token"
-    inside = (
-        f"{PEARING_GUARD} verify && {PEARING_GUARD} exec -- touch {q(work / 'wrote')}"
-        f" && cp $PEARING_TOKEN_FILE {q(copy)}"
-    )
-    assert procs.pr_run("--job", job, "--", "sh", "-c", inside).returncode == 0
-    assert (work / "wrote").exists()
-    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
-    assert procs.pr_run("--job", job, "--", "true").returncode == 0
-    r = procs.run([PEARING_GUARD, "verify", "--token-file", str(copy)])
-    assert r.returncode == ExitCode.REFUSED and "superseded by fence" in r.stderr.decode()
-    r = procs.run([PEARING_GUARD, "exec", "--token-file", str(copy), "--", "touch", str(work / "late")])
-    assert r.returncode == ExitCode.REFUSED and not (work / "late").exists()
-
-
-def test_fence_ledger(backend: str, procs: Procs, job: str) -> None:
-    res = f"branch:{job}"
-    codes = [procs.run([PEARING_GUARD, "fence", "--resource", res, "--fence", f]).returncode for f in "54565"]
-    assert codes == [0, 1, 0, 0, 1]
-
-
-def test_cli_queue_and_promotion(backend: str, procs: Procs, job: str, env: dict[str, str]) -> None:
-    u1, u2 = str(uuid.uuid4()), str(uuid.uuid4())
-    base = [PEARING_CLI, "acquire-lock", job, "--lease-seconds", "30"]
-    first = procs.run([*base, "--request-uuid", u1])
-    assert first.returncode == 0, first
-    t1 = json.loads(first.stdout)
-    assert t1["state"] == "held" and Path(t1["token_file"]).exists()
-    second = procs.run([*base, "--request-uuid", u2, "--wait-seconds", "0.3"], env=dict(env, PEARING_IDENTITY="codex"))
-    t2 = json.loads(second.stdout)
-    assert second.returncode == ExitCode.BUSY and t2["state"] == "waiting" and t2["queue_position"] == 1
-    rel = procs.run([PEARING_CLI, "release-lock-ticket", job, t1["ticket_id"]])
-    assert rel.returncode == 0 and json.loads(rel.stdout)["state"] == "released"
-    again = procs.run([*base, "--request-uuid", u2, "--wait-seconds", "10"], env=dict(env, PEARING_IDENTITY="codex"))
-    t3 = json.loads(again.stdout)
-    assert again.returncode == 0 and t3["ticket_id"] == t2["ticket_id"] and t3["state"] == "held"
-    assert t3["fence"] > t1["fence"]
-    assert procs.run([PEARING_CLI, "release-lock-ticket", job, t3["ticket_id"]]).returncode == 0
-
-
-# -- faults only a cluster has -----------------------------------------------------------
+# -- what only etcd has -------------------------------------------------------------------
+# The behaviour both backends share runs on both from the other test files (the `backend`
+# fixture); here: etcd's own exports, and the faults only a cluster has.
 
 
 @pytest.fixture
@@ -158,6 +45,19 @@ def cluster(etcd: Cluster, env: dict[str, str]) -> Cluster:
     env[ENV_BACKEND] = etcd.url
     yield etcd
     etcd.heal()
+
+
+def test_etcd_lock_key_and_rev_are_exported(cluster: Cluster, procs: Procs, work: Path, job: str) -> None:
+    """As `etcdctl lock` does: ETCD_LOCK_KEY is the holder's key, ETCD_LOCK_REV its revision (the fence)."""
+    out = work / "env"
+    r = procs.pr_run("--job", job, "--", "sh", "-c", f"env | grep -E '^(PEARING|ETCD)_' | sort > {q(out)}")
+    assert r.returncode == 0, r
+    seen = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert seen["ETCD_LOCK_KEY"].endswith(f"/@{job}/q/{seen['PEARING_TICKET']}"), seen
+    assert seen["ETCD_LOCK_REV"] == seen["PEARING_FENCE"]
+
+
+# -- faults only a cluster has -----------------------------------------------------------
 
 
 def test_killing_the_member_the_holder_talks_to(cluster: Cluster, procs: Procs, work: Path, job: str) -> None:
@@ -215,7 +115,7 @@ def test_partitioned_holder_loses_its_lease(
         f"date +%s%N > {q(work / 'w_start')}; echo $PEARING_FENCE > {q(work / 'f2')}",
         env=waiter_env,
     )  # fmt: skip
-    _wait_queued(waiter_env, procs.lock_dir, job, 1)
+    _wait_queued(waiter_env[ENV_BACKEND], job, 1)
     cluster.pause(lonely)
     h = procs.finish(holder, timeout=30)
     w = procs.finish(waiter, timeout=30)
@@ -267,30 +167,3 @@ def test_manual_heartbeat_keeps_the_lease_and_its_absence_loses_it(
     silent = procs.pr_run(*flags, "--kill-grace", "1", "--", "sh", "-c", f"touch {q(work / 'up')}; sleep 30")
     assert silent.returncode == ExitCode.LEASE_LOST, silent
     assert silent.elapsed < 15
-
-
-def test_simultaneous_replays_run_once(backend: str, procs: Procs, work: Path, job: str) -> None:
-    """The webhook and its replay arrive at once, several times over: COMMAND runs exactly once."""
-    u = str(uuid.uuid4())
-    cmd = f"echo x >> {q(work / 'ran')}; sleep 0.3"
-    runs = [
-        procs.pr("--job", job, "--request-uuid", u, "--wait-seconds", "30", "--", "sh", "-c", cmd) for _ in range(6)
-    ]
-    codes = sorted(procs.finish(p, timeout=60).returncode for p in runs)
-    assert (work / "ran").read_text() == "x\n", codes
-    assert set(codes) <= {0, ExitCode.BUSY} and 0 in codes
-    # And a later replay is deduplicated.
-    assert procs.pr_run("--job", job, "--request-uuid", u, "--", "sh", "-c", cmd).returncode == 0
-    assert (work / "ran").read_text() == "x\n"
-
-
-def test_cli_same_uuid_at_once_makes_one_ticket(backend: str, procs: Procs, job: str) -> None:
-    """Two agents retry one acquisition at the same moment: one ticket, both see it."""
-    u = str(uuid.uuid4())
-    argv = [PEARING_CLI, "acquire-lock", job, "--request-uuid", u, "--lease-seconds", "30"]
-    calls = [procs.start(argv) for _ in range(4)]
-    results = [procs.finish(p) for p in calls]
-    tickets = {json.loads(r.stdout)["ticket_id"] for r in results}
-    assert len(tickets) == 1, results
-    assert [r.returncode for r in results] == [0] * 4
-    procs.run([PEARING_CLI, "release-lock-ticket", job, tickets.pop()])

@@ -149,9 +149,10 @@ def test_etcdctl_holder_makes_pearing_busy_and_status_shows_it(
 ) -> None:
     procs.env[ENV_BACKEND] = etcd.url
     log = work / "log"
-    ctl = procs.start(
-        etcdctl_lock(etcd.url, job, f"{stamp(log, 'ctl-start')}; sleep 3; {stamp(log, 'ctl-end')}"), env=ctl_env(env)
-    )
+    gate = Gate(work)
+    # etcdctl's COMMAND holds until the test has looked (a fixed sleep raced a loaded machine).
+    script = f"{stamp(log, 'ctl-start')}; {gate.script()}; {stamp(log, 'ctl-end')}"
+    ctl = procs.start(etcdctl_lock(etcd.url, job, script), env=ctl_env(env))
     wait_for(log.exists, 15, "etcdctl's COMMAND")
     busy = procs.pr_run("--job", job, "--", "touch", str(work / "never"))
     assert busy.returncode == ExitCode.BUSY, busy
@@ -170,6 +171,8 @@ def test_etcdctl_holder_makes_pearing_busy_and_status_shows_it(
     assert table.returncode == 0 and table.json[0]["holder"]["identity"].startswith("etcd-lease:")
     # A waiting pearing-run starts only after etcdctl's command ended.
     waiter = procs.pr("--job", job, "--wait-seconds", "30", "--", "sh", "-c", stamp(log, "pr-start"))
+    wait_queued(etcd.url, job, 2)  # etcdctl's key and the waiter's
+    gate.open()
     w = procs.finish(waiter, timeout=60)
     assert w.returncode == 0, w
     assert procs.finish(ctl).returncode == 0

@@ -2,7 +2,8 @@
 
 Real processes only. Every wait is on a file or on a process the test started
 (``wait_for`` polls every 10 ms with a hard timeout); COMMANDs block on a
-``go`` file that the test creates.
+``go`` file that the test creates. Tests that take ``backend`` run on the lock dir
+and on etcd; fences are read from the run, since on etcd they are revisions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import secrets
 import subprocess
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,9 @@ from helpers import (
     line_file,
     pid_alive,
     q,
-    ticket_records,
     wait_for,
     wait_line,
+    wait_queued,
 )
 
 from singleflight import guard
@@ -57,6 +59,10 @@ def _never(predicate: Callable[[], Any], seconds: float, what: str) -> None:
         time.sleep(0.01)  # the poll interval
 
 
+def _epoch(rfc3339: str) -> float:
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
 def _run_argv(job: str, script: str, *flags: str) -> list[str]:
     return [PEARING_RUN, "--job", job, *flags, "--", "sh", "-c", script]
 
@@ -72,7 +78,7 @@ def _start_blocked_run(procs: Procs, work: Path, job: str, prefix: str, *flags: 
 # -- verify ----------------------------------------------------------------
 
 
-def test_verify_inside_run_exits_0_and_json_has_fence(work_procs: Procs, work: Path) -> None:
+def test_verify_inside_run_exits_0_and_json_has_fence(backend: str, work_procs: Procs, work: Path) -> None:
     script = (
         f"{q(PEARING_GUARD)} verify; echo $? > v.rc; "
         f"{q(PEARING_GUARD)} verify --json > v.json; echo $? > vj.rc; "
@@ -85,14 +91,21 @@ def test_verify_inside_run_exits_0_and_json_has_fence(work_procs: Procs, work: P
     verdict = json.loads((work / "v.json").read_text())
     assert isinstance(verdict, dict)
     assert verdict["ok"] is True
-    assert verdict["fence"] == int(line_file(work / "fence") or "0") == 1
+    assert verdict["fence"] == int(line_file(work / "fence") or "0")
+    assert backend != "local" or verdict["fence"] == 1
 
 
-def test_verify_via_env_only_inside_run(work_procs: Procs, work: Path) -> None:
+@pytest.mark.etcd_xfail(
+    "pearing-guard verify given PEARING_TOKEN + PEARING_LOCK + PEARING_REPO without PEARING_TOKEN_FILE or "
+    "PEARING_TICKET exits 64 ('on etcd, verify needs the ticket') instead of judging the token; SPEC lists "
+    "that triple as a token source"
+)
+def test_verify_via_env_only_inside_run(backend: str, work_procs: Procs, work: Path) -> None:
     """PEARING_TOKEN + PEARING_LOCK + PEARING_REPO, no PEARING_TOKEN_FILE (nor PEARING_TICKET)."""
     script = (
         f"env -u {ENV_TOKEN_FILE} -u {ENV_TICKET} {q(PEARING_GUARD)} verify --json > v.json; echo $? > v.rc; "
-        f'[ -n "${ENV_TOKEN}" ] && [ -n "${ENV_LOCK}" ] && [ -n "${ENV_REPO}" ] && echo yes > vars'
+        f'[ -n "${ENV_TOKEN}" ] && [ -n "${ENV_LOCK}" ] && [ -n "${ENV_REPO}" ] && echo yes > vars; '
+        f'echo "${ENV_FENCE}" > fence'
     )
     r = work_procs.run_text(_run_argv("guard-env", script, "--repo", "teams/platform/website"))
     assert r.returncode == 0, r.stderr
@@ -100,10 +113,10 @@ def test_verify_via_env_only_inside_run(work_procs: Procs, work: Path) -> None:
     assert line_file(work / "v.rc") == "0"
     verdict = json.loads((work / "v.json").read_text())
     assert verdict["ok"] is True
-    assert verdict["fence"] == 1
+    assert verdict["fence"] == int(line_file(work / "fence") or "0")
 
 
-def test_verify_after_release_is_refused(work_procs: Procs, work: Path) -> None:
+def test_verify_after_release_is_refused(backend: str, work_procs: Procs, work: Path) -> None:
     r = work_procs.run_text(
         _run_argv("guard-rel", 'cp "$PEARING_TOKEN_FILE" tok.copy; echo "$PEARING_TOKEN_FILE" > tokpath')
     )
@@ -125,37 +138,41 @@ def test_verify_after_release_is_refused(work_procs: Procs, work: Path) -> None:
     g.one_line()
 
 
-def test_verify_superseded_by_newer_holder(work_procs: Procs, work: Path) -> None:
+def test_verify_superseded_by_newer_holder(backend: str, work_procs: Procs, work: Path) -> None:
     r = work_procs.run_text(_run_argv("guard-sup", 'cp "$PEARING_TOKEN_FILE" old.tok'))
     assert r.returncode == 0, r.stderr
     second = _start_blocked_run(work_procs, work, "guard-sup", 'cp "$PEARING_TOKEN_FILE" new.tok')
+    old_fence = json.loads((work / "old.tok").read_text())["fence"]
+    new_fence = json.loads((work / "new.tok").read_text())["fence"]
+    assert new_fence > old_fence
+    assert backend != "local" or (old_fence, new_fence) == (1, 2)
     old = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work / "old.tok")])
     assert old.returncode == ExitCode.REFUSED, old
-    assert "superseded by fence 2" in old.one_line()
+    assert f"superseded by fence {new_fence}" in old.one_line()
     new = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work / "new.tok"), "--json"])
     assert new.returncode == 0, new
-    assert json.loads(new.stdout)["fence"] == 2
+    assert json.loads(new.stdout)["fence"] == new_fence
     (work / "go").touch()
     assert second.wait(timeout=15) == 0
 
 
-def test_verify_after_lease_expiry_is_refused(work_procs: Procs, work: Path) -> None:
+def test_verify_after_lease_expiry_is_refused(backend: str, work_procs: Procs, work: Path) -> None:
     script = f'cp "$PEARING_TOKEN_FILE" tok.copy; {_GATE}'
     p = work_procs.start(
-        _run_argv("guard-exp", script, "--heartbeat", "manual", "--lease-seconds", "1", "--kill-grace", "2"),
+        _run_argv("guard-exp", script, "--heartbeat", "manual", "--lease-seconds", "2", "--kill-grace", "2"),
         text=True,
     )
     wait_for(lambda: (work / "ready").exists() or p.poll() is not None, 15, "COMMAND to copy its token file")
     assert (work / "tok.copy").is_file(), p.communicate()
     # Never heartbeated: the lease lapses and pearing-run reports the loss.
-    assert p.wait(timeout=20) == ExitCode.LEASE_LOST, p.communicate()
+    assert p.wait(timeout=30) == ExitCode.LEASE_LOST, p.communicate()
     assert not (work / "go").exists()
     v = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work / "tok.copy")])
     assert v.returncode == ExitCode.REFUSED, v
     assert re.search(r"expir|released|superseded", v.one_line()), v.stderr
 
 
-def test_verify_forged_token_is_refused(work_procs: Procs, work: Path) -> None:
+def test_verify_forged_token_is_refused(backend: str, work_procs: Procs, work: Path) -> None:
     p = _start_blocked_run(work_procs, work, "guard-forge", 'cp "$PEARING_TOKEN_FILE" tok.copy')
     real = json.loads((work / "tok.copy").read_text())
     forged = dict(real)
@@ -173,20 +190,20 @@ def test_verify_forged_token_is_refused(work_procs: Procs, work: Path) -> None:
     assert p.wait(timeout=15) == 0
 
 
-def test_verify_missing_token_file_is_refusal_not_usage(work_procs: Procs, work: Path) -> None:
+def test_verify_missing_token_file_is_refusal_not_usage(backend: str, work_procs: Procs, work: Path) -> None:
     v = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work / "no-such.token")])
     assert v.returncode == ExitCode.REFUSED, v
     v.one_line()
 
 
-def test_verify_without_any_token_source_is_usage(work_procs: Procs) -> None:
+def test_verify_without_any_token_source_is_usage(backend: str, work_procs: Procs) -> None:
     assert not any(k.startswith("PEARING_TOKEN") for k in work_procs.env)
     v = work_procs.run_text([PEARING_GUARD, "verify"])
     assert v.returncode == ExitCode.USAGE, v
     v.one_line()
 
 
-def test_verify_token_file_that_is_a_directory_is_one_clean_line(work_procs: Procs, work: Path) -> None:
+def test_verify_token_file_that_is_a_directory_is_one_clean_line(backend: str, work_procs: Procs, work: Path) -> None:
     """A bad token-file path is a refusal (1) or a usage error (64), never a traceback."""
     v = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work)])
     assert v.returncode in (ExitCode.REFUSED, ExitCode.USAGE), v
@@ -194,6 +211,7 @@ def test_verify_token_file_that_is_a_directory_is_one_clean_line(work_procs: Pro
     v.one_line()
 
 
+@pytest.mark.local_only("the state it wipes is the lock dir's")
 def test_verify_when_the_lock_dir_is_gone_is_a_refusal(work_procs: Procs, tmp_path: Path) -> None:
     """A token whose lock dir no longer exists (state wiped) is not live: exit 1, not 73."""
     env = {
@@ -212,7 +230,7 @@ def test_verify_when_the_lock_dir_is_gone_is_a_refusal(work_procs: Procs, tmp_pa
 # -- exec ------------------------------------------------------------------
 
 
-def test_exec_inside_run_runs_cmd(work_procs: Procs, work: Path) -> None:
+def test_exec_inside_run_runs_cmd(backend: str, work_procs: Procs, work: Path) -> None:
     script = f"{q(PEARING_GUARD)} exec -- sh -c 'echo hi > f'; echo $? > exec.rc"
     r = work_procs.run_text(_run_argv("guard-exec", script))
     assert r.returncode == 0, r.stderr
@@ -220,13 +238,13 @@ def test_exec_inside_run_runs_cmd(work_procs: Procs, work: Path) -> None:
     assert (work / "f").read_text() == "hi\n"
 
 
-def test_exec_passes_cmd_status_through(work_procs: Procs, work: Path) -> None:
+def test_exec_passes_cmd_status_through(backend: str, work_procs: Procs, work: Path) -> None:
     script = f"{q(PEARING_GUARD)} exec -- sh -c 'exit 7'"
     r = work_procs.run_text(_run_argv("guard-exec7", script))
     assert r.returncode == 7, r.stderr
 
 
-def test_exec_outside_live_run_refuses_and_never_starts_cmd(work_procs: Procs, work: Path) -> None:
+def test_exec_outside_live_run_refuses_and_never_starts_cmd(backend: str, work_procs: Procs, work: Path) -> None:
     r = work_procs.run_text(
         _run_argv("guard-exec-out", 'cp "$PEARING_TOKEN_FILE" tok.copy; echo "$PEARING_TOKEN_FILE" > tokpath')
     )
@@ -247,7 +265,7 @@ def test_exec_outside_live_run_refuses_and_never_starts_cmd(work_procs: Procs, w
     assert not (work / "marker2").exists()
 
 
-def test_exec_max_seconds_kills_long_cmd(work_procs: Procs, work: Path) -> None:
+def test_exec_max_seconds_kills_long_cmd(backend: str, work_procs: Procs, work: Path) -> None:
     inner = "echo $$ > cmd.pid; while [ ! -e go ]; do sleep 0.01; done; touch finished"
     script = f"{q(PEARING_GUARD)} exec --max-seconds 1 -- sh -c {q(inner)}; echo $? > exec.rc"
     started = time.monotonic()
@@ -263,9 +281,17 @@ def test_exec_max_seconds_kills_long_cmd(work_procs: Procs, work: Path) -> None:
     assert p.wait(timeout=15) == 0
 
 
-def test_exec_holds_off_expiry_and_handover(work_procs: Procs, work: Path, lock_dir: Path) -> None:
+@pytest.mark.etcd_xfail(
+    "lease expiry does not wait for an in-flight pearing-guard exec: at the holder's deadline the guarded "
+    "CMD gets SIGTERM and the waiter starts some 40 ms later, so the side effect is cut short instead of "
+    "held off; the lock dir holds expiry off until the guarded CMD ends (at most --max-seconds)"
+)
+def test_exec_holds_off_expiry_and_handover(backend: str, work_procs: Procs, work: Path) -> None:
     """Lease expiry waits for an in-flight guarded CMD; the next holder starts only after it."""
-    guarded = "date +%s%N > g_start; while [ ! -e go ]; do sleep 0.01; done; date +%s%N > g_end"
+    guarded = (
+        f'cp "${ENV_TOKEN_FILE}" tok.copy; date +%s%N > g_start; while [ ! -e go ]; do sleep 0.01; done; '
+        "date +%s%N > g_end"
+    )
     holder = work_procs.start(
         [
             PEARING_RUN,
@@ -274,7 +300,7 @@ def test_exec_holds_off_expiry_and_handover(work_procs: Procs, work: Path, lock_
             "--heartbeat",
             "manual",
             "--lease-seconds",
-            "1",
+            "2",
             "--kill-grace",
             "2",
             "--",
@@ -291,18 +317,14 @@ def test_exec_holds_off_expiry_and_handover(work_procs: Procs, work: Path, lock_
     )
     wait_for(lambda: line_file(work / "g_start") or holder.poll() is not None, 15, "the guarded CMD to start")
     assert holder.poll() is None, holder.communicate()
-    held = [t for t in ticket_records(lock_dir, "J") if t["state"] == "held"]
-    assert len(held) == 1, held
-    lease_expires_at = float(held[0]["lease_expires_at"])
+    # The lease as the holder took it (never heartbeated after).
+    lease_expires_at = _epoch(json.loads((work / "tok.copy").read_text())["lease_expires_at"])
 
     waiter = work_procs.start(
         [PEARING_RUN, "--wait-seconds", "30", "--job", "J", "--", "sh", "-c", "date +%s%N > w_start"], text=True
     )
-    wait_for(
-        lambda: any(t["state"] == "waiting" for t in ticket_records(lock_dir, "J")) or waiter.poll() is not None,
-        15,
-        "the waiter to queue",
-    )
+    wait_queued(work_procs, "J", 1)
+    assert waiter.poll() is None, waiter.communicate()
     # The holder's lease deadline passes (plus a generous margin) while the guarded CMD is in flight.
     wait_for(lambda: time.time() > lease_expires_at + 1.5, 15, "the holder's lease deadline to pass")
     assert not (work / "w_start").exists(), "the waiter started while a guarded CMD was in flight"
@@ -310,14 +332,14 @@ def test_exec_holds_off_expiry_and_handover(work_procs: Procs, work: Path, lock_
     assert not (work / "g_end").exists()
 
     (work / "go").touch()
-    assert waiter.wait(timeout=20) == 0, waiter.communicate()
-    assert holder.wait(timeout=20) == ExitCode.LEASE_LOST, holder.communicate()
+    assert waiter.wait(timeout=30) == 0, waiter.communicate()
+    assert holder.wait(timeout=30) == ExitCode.LEASE_LOST, holder.communicate()
     g_end = int(wait_line(work / "g_end"))
     w_start = int(wait_line(work / "w_start"))
     assert w_start > g_end, (w_start, g_end)
 
 
-def test_exec_holds_off_handover_after_command_ends(work_procs: Procs, work: Path, lock_dir: Path) -> None:
+def test_exec_holds_off_handover_after_command_ends(backend: str, work_procs: Procs, work: Path) -> None:
     """COMMAND ends while a background guarded CMD is in flight: the next holder waits for it."""
     guarded = "date +%s%N > g_start; while [ ! -e go ]; do sleep 0.01; done; date +%s%N > g_end"
     script = (
@@ -345,7 +367,7 @@ def test_exec_holds_off_handover_after_command_ends(work_procs: Procs, work: Pat
 # -- fence ledger ------------------------------------------------------------
 
 
-def test_fence_ledger_sequence(work_procs: Procs) -> None:
+def test_fence_ledger_sequence(backend: str, work_procs: Procs) -> None:
     def fence(n: str) -> TextResult:
         return work_procs.run_text([PEARING_GUARD, "fence", "--resource", "R", "--fence", n])
 
@@ -360,7 +382,7 @@ def test_fence_ledger_sequence(work_procs: Procs) -> None:
     assert "stale fence 5 < 6" in r.one_line()
 
 
-def test_fence_with_ledger_path_records_it(work_procs: Procs, tmp_path: Path) -> None:
+def test_fence_with_ledger_path_records_it(backend: str, work_procs: Procs, tmp_path: Path) -> None:
     ledger = tmp_path / "target" / "ledger.json"
     ledger.parent.mkdir()
     r = work_procs.run_text(
@@ -380,27 +402,18 @@ def test_fence_with_ledger_path_records_it(work_procs: Procs, tmp_path: Path) ->
     assert json.loads(ledger.read_text())["branch:thread-42"] == 9
 
 
-def test_fence_concurrent_callers(work_procs: Procs, work: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("explicit", [False, True], ids=["backend-ledger", "ledger-file"])
+def test_fence_concurrent_callers(backend: str, work_procs: Procs, work: Path, tmp_path: Path, explicit: bool) -> None:
+    """The backend's own ledger (LOCK_DIR/ledger.json, or compare-and-swap in etcd) and an
+    explicit --ledger file (on either backend): concurrent callers never both pass out of order."""
     ledger = tmp_path / "concurrent.json"
+    extra = ["--ledger", str(ledger)] if explicit else []
     fences = list(range(1, 21))
     random.Random(20240611).shuffle(fences)
     gate = 'while [ ! -e go ]; do sleep 0.01; done; exec "$@"'
     procs = {
         n: work_procs.start(
-            [
-                "sh",
-                "-c",
-                gate,
-                "sh",
-                PEARING_GUARD,
-                "fence",
-                "--resource",
-                "R",
-                "--fence",
-                str(n),
-                "--ledger",
-                str(ledger),
-            ],
+            ["sh", "-c", gate, "sh", PEARING_GUARD, "fence", "--resource", "R", "--fence", str(n), *extra],
             text=True,
         )
         for n in fences
@@ -412,7 +425,14 @@ def test_fence_concurrent_callers(work_procs: Procs, work: Path, tmp_path: Path)
         results[n] = (p.returncode, err)
     codes = {rc for rc, _ in results.values()}
     assert codes <= {0, 1}, results
-    assert json.loads(ledger.read_text())["R"] == 20
+    if explicit:
+        assert json.loads(ledger.read_text())["R"] == 20
+    else:
+        assert not ledger.exists()
+    # The ledger's highest is 20: 19 is stale now, 20 still passes.
+    late = work_procs.run_text([PEARING_GUARD, "fence", "--resource", "R", "--fence", "19", *extra])
+    assert late.returncode == ExitCode.REFUSED and "stale fence 19 < 20" in late.one_line(), late
+    assert work_procs.run_text([PEARING_GUARD, "fence", "--resource", "R", "--fence", "20", *extra]).returncode == 0
     accepted = {n for n, (rc, _) in results.items() if rc == 0}
     assert 20 in accepted
     for n, (rc, err) in results.items():
@@ -435,13 +455,15 @@ def test_fence_concurrent_callers(work_procs: Procs, work: Path, tmp_path: Path)
     ],
     ids=["fence-0", "fence-abc", "fence-negative", "no-resource", "no-fence"],
 )
-def test_fence_bad_arguments_are_usage(work_procs: Procs, args: list[str]) -> None:
+def test_fence_bad_arguments_are_usage(backend: str, work_procs: Procs, args: list[str]) -> None:
     r = work_procs.run_text([PEARING_GUARD, "fence", *args])
     assert r.returncode == ExitCode.USAGE, r
     r.one_line()
 
 
-def test_fence_ledger_in_a_missing_directory_is_not_a_stale_fence(work_procs: Procs, tmp_path: Path) -> None:
+def test_fence_ledger_in_a_missing_directory_is_not_a_stale_fence(
+    backend: str, work_procs: Procs, tmp_path: Path
+) -> None:
     """A bad --ledger path must not look like a refusal (1 = stale fence) nor crash with a traceback."""
     ledger = tmp_path / "missing" / "ledger.json"
     r = work_procs.run_text([PEARING_GUARD, "fence", "--resource", "R", "--fence", "3", "--ledger", str(ledger)])
@@ -473,7 +495,7 @@ def test_fence_ledger_in_a_missing_directory_is_not_a_stale_fence(work_procs: Pr
         "unknown-command",
     ],
 )
-def test_guard_bad_arguments_are_usage(work_procs: Procs, args: list[str]) -> None:
+def test_guard_bad_arguments_are_usage(backend: str, work_procs: Procs, args: list[str]) -> None:
     r = work_procs.run_text([PEARING_GUARD, *args])
     assert r.returncode == ExitCode.USAGE, r
     r.one_line()

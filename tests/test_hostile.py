@@ -47,6 +47,8 @@ from singleflight.core.tokens import Claim, token_hash
 from singleflight.local import guard, lease
 from singleflight.local.store import LockDir
 
+pytestmark = pytest.mark.local_only("a hostile or broken lock dir: its files, modes, records and clocks")
+
 NOPERM = int(ExitCode.NOPERM)
 IOERR = int(ExitCode.IOERR)
 CANTCREAT = int(ExitCode.CANTCREAT)

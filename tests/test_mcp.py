@@ -3,7 +3,9 @@
 Each test starts the real server with its own ``--lock-dir``. Waits are bounded
 polls on tool results (``_until``), never bare sleeps. Every ticket a test
 leaves live is released through the session, and at teardown any detached agent
-(a ticket's ``holder_pid``) still alive is killed.
+(a ticket's ``holder_pid``) still alive is killed. Tests that take ``backend`` start
+the server with ``--backend`` on etcd (the SDK's client passes the server no
+PEARING_* environment); fences are compared, since on etcd they are revisions.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any
 
 import anyio
 import pytest
-from etcd_cluster import Cluster
 from helpers import BIN_DIR, pid_alive
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
@@ -61,6 +62,17 @@ def _is_agent(pid: int) -> bool:
     except OSError:
         return False
     return b"singleflight.agent" in cmdline and pid_alive(pid)
+
+
+@pytest.fixture
+def server_args(backend: str) -> list[str]:
+    """pearing-mcp's arguments for this test's backend."""
+    return [] if backend == "local" else ["--backend", backend]
+
+
+def _first_fence(backend: str, fence: int) -> None:
+    """A fresh lock's first fence: 1 in the lock dir, the key's create revision on etcd."""
+    assert fence == 1 if backend == "local" else fence >= 1, fence
 
 
 @pytest.fixture
@@ -217,12 +229,14 @@ async def test_lists_the_seven_tools_with_the_seed_arguments(tmp_path: Path, age
 # -- one ticket's life -----------------------------------------------------------------------
 
 
-async def test_acquire_get_heartbeat_release(tmp_path: Path, agents: set[int]) -> None:
+async def test_acquire_get_heartbeat_release(
+    backend: str, server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
     request = str(uuid.uuid4())
-    async with serve(tmp_path, agents) as c:
+    async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire(request)
         assert held["state"] == "held"
-        assert held["fence"] == 1
+        _first_fence(backend, held["fence"])
         assert held["request_uuid"] == request
         assert (held["repo"], held["lock_name"], held["identity"]) == (SEED["repo"], SEED["lock_name"], IDENTITY)
         assert isinstance(held["holder_pid"], int) and _is_agent(held["holder_pid"])
@@ -235,9 +249,9 @@ async def test_acquire_get_heartbeat_release(tmp_path: Path, agents: set[int]) -
             k: held[k] for k in ("ticket_id", "state", "fence", "holder_pid")
         }
 
-        beat = await c.call("heartbeat_lock_ticket", **ref, lease_seconds=120)
-        assert beat["state"] == "held" and beat["fence"] == 1
-        assert beat["lease_seconds"] == 120
+        beat = await c.call("heartbeat_lock_ticket", **ref, lease_seconds=60)
+        assert beat["state"] == "held" and beat["fence"] == held["fence"]
+        assert beat["lease_seconds"] == 60
         assert beat["lease_expires_at"] > held["lease_expires_at"]  # RFC 3339 UTC sorts as text
 
         text = "Revalidating teams/platform/website thread #42 under lock thread-work.42."
@@ -245,7 +259,7 @@ async def test_acquire_get_heartbeat_release(tmp_path: Path, agents: set[int]) -
         assert (await c.call("get_lock_ticket", **ref))["activity"] == text
 
         (lock,) = await c.call("list_locks", repo=SEED["repo"])
-        assert lock["state"] == "held" and lock["fence"] == 1
+        assert lock["state"] == "held" and lock["fence"] == held["fence"]
         assert lock["holder"]["ticket_id"] == held["ticket_id"] and lock["waiters"] == []
         assert await c.call("list_locks") == []  # default scope: nothing there
 
@@ -261,9 +275,20 @@ async def test_acquire_get_heartbeat_release(tmp_path: Path, agents: set[int]) -
         assert await c.call("update_user_activity", clear=True) == {"identity": IDENTITY, "activity": None}
 
 
-async def test_a_second_request_waits_and_a_retry_never_makes_a_second_ticket(tmp_path: Path, agents: set[int]) -> None:
+async def test_heartbeat_sets_the_new_lease_length(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
+        held = await c.acquire()
+        ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"], "ticket_id": held["ticket_id"]}
+        beat = await c.call("heartbeat_lock_ticket", **ref, lease_seconds=120)
+        assert beat["lease_seconds"] == 120, beat
+        assert (await c.call("get_lock_ticket", **ref))["lease_seconds"] == 120
+
+
+async def test_a_second_request_waits_and_a_retry_never_makes_a_second_ticket(
+    server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
     first, second = str(uuid.uuid4()), str(uuid.uuid4())
-    async with serve(tmp_path, agents) as c:
+    async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire(first)
         assert held["state"] == "held"
 
@@ -273,7 +298,7 @@ async def test_a_second_request_waits_and_a_retry_never_makes_a_second_ticket(tm
         assert waiting["ticket_id"] != held["ticket_id"]
 
         again = await c.acquire(first)  # a replay of the holder's own request: no wait behind itself
-        assert (again["ticket_id"], again["state"], again["fence"]) == (held["ticket_id"], "held", 1)
+        assert (again["ticket_id"], again["state"], again["fence"]) == (held["ticket_id"], "held", held["fence"])
         again = await c.acquire(second, wait_seconds=0)
         assert (again["ticket_id"], again["state"]) == (waiting["ticket_id"], "waiting")
 
@@ -286,8 +311,10 @@ async def test_a_second_request_waits_and_a_retry_never_makes_a_second_ticket(tm
         assert (await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"]))["state"] == "released"
 
 
-async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(tmp_path: Path, agents: set[int]) -> None:
-    async with serve(tmp_path, agents) as c:
+async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(
+    backend: str, server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()
         ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"]}
         promoted: dict[str, Any] = {}
@@ -308,12 +335,38 @@ async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(tmp_p
                 assert (await c.call("heartbeat_lock_ticket", **ref, ticket_id=held["ticket_id"]))["state"] == "held"
                 await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"])
         assert promoted["state"] == "held"
-        assert promoted["fence"] == 2 and promoted["promoted"] is True
+        assert promoted["fence"] > held["fence"]
+        assert backend != "local" or promoted["fence"] == 2
 
 
-async def test_a_retry_of_a_waiting_request_may_wait_again(tmp_path: Path, agents: set[int]) -> None:
+async def test_a_promoted_ticket_says_it_waited(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
+        held = await c.acquire()
+        assert held["promoted"] is False
+        ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"]}
+        promoted: dict[str, Any] = {}
+
+        async def wait_in_line() -> None:
+            promoted.update(await c.acquire(wait_seconds=30))
+
+        async def waiter_queued() -> bool:
+            (lock,) = await c.call("list_locks", **ref)
+            return [w["queue_position"] for w in lock["waiters"]] == [1]
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_in_line)
+                await _until(waiter_queued, "the second acquire to queue")
+                await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"])
+        assert promoted["state"] == "held", promoted
+        assert promoted["promoted"] is True, promoted
+
+
+async def test_a_retry_of_a_waiting_request_may_wait_again(
+    server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
     second = str(uuid.uuid4())
-    async with serve(tmp_path, agents) as c:
+    async with serve(tmp_path, agents, *server_args) as c:
         await c.acquire()
         waiting = await c.acquire(second, wait_seconds=0)
         again = await c.acquire(second, wait_seconds=0.2)
@@ -323,13 +376,15 @@ async def test_a_retry_of_a_waiting_request_may_wait_again(tmp_path: Path, agent
 # -- bad calls -------------------------------------------------------------------------------
 
 
-async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: Path, agents: set[int]) -> None:
-    async with serve(tmp_path, agents) as c:
+async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(
+    server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
         message = await c.error("acquire_lock", **{**SEED, "lock_name": "../x", "request_uuid": str(uuid.uuid4())})
         assert "'../x'" in message and "lock_name" in message  # the input schema's pattern
 
         held = await c.acquire()  # the same session still works
-        assert held["state"] == "held" and held["fence"] == 1
+        assert held["state"] == "held"
         ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"]}
 
         cases: list[tuple[str, dict[str, Any], list[str]]] = [
@@ -342,7 +397,6 @@ async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: P
             ("acquire_lock", {"lock_name": "x"}, ["request_uuid"]),
             ("get_lock_ticket", {**ref, "ticket_id": "nope"}, ["ticket_id", "'nope'"]),
             ("get_lock_ticket", {**ref, "ticket_id": (unknown := str(uuid.uuid4()))}, [unknown, "unknown ticket"]),
-            ("get_lock_ticket", {**ref, "lock_name": "other", "ticket_id": unknown}, ["'other'"]),
             ("heartbeat_lock_ticket", {**ref, "ticket_id": held["ticket_id"], "lease_seconds": -5}, ["lease_seconds"]),
             ("release_lock_ticket", {**ref, "ticket_id": unknown}, [unknown, "unknown ticket"]),
             ("update_user_activity", {}, ["activity", "clear"]),
@@ -361,7 +415,7 @@ async def test_bad_arguments_are_tool_errors_and_the_session_goes_on(tmp_path: P
                 assert "\n" not in message.strip(), f"one line expected: {message!r}"
 
         got = await c.call("get_lock_ticket", **ref, ticket_id=held["ticket_id"])
-        assert got["state"] == "held" and got["fence"] == 1
+        assert got["state"] == "held" and got["fence"] == held["fence"]
         assert (await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"]))["state"] == "released"
         message = await c.error("heartbeat_lock_ticket", **ref, ticket_id=held["ticket_id"], lease_seconds=60)
         assert held["ticket_id"] in message and "released" in message
@@ -447,15 +501,29 @@ async def test_wrong_types_unknown_and_overlong_arguments_are_tool_errors(tmp_pa
     assert "Traceback" not in (tmp_path / "server.stderr").read_text()
 
 
+@pytest.mark.etcd_xfail(
+    "get_lock_ticket on a lock that has no tickets says only 'ticket ID: unknown ticket'; the lock dir says "
+    "\"no lock 'other' in scope '...'\""
+)
+async def test_an_unknown_lock_is_named_in_the_error(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
+        await c.acquire()  # the seed's lock exists; 'other' does not
+        ref = {"repo": SEED["repo"], "lock_name": "other", "ticket_id": str(uuid.uuid4())}
+        message = await c.error("get_lock_ticket", **ref)
+        assert "'other'" in message, message
+
+
 # -- verify_token ----------------------------------------------------------------------------
 
 
-async def test_verify_token_is_live_while_held_and_refused_after_release(tmp_path: Path, agents: set[int]) -> None:
-    async with serve(tmp_path, agents) as c:
+async def test_verify_token_is_live_while_held_and_refused_after_release(
+    server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()
         verdict = await c.call("verify_token", token_file=held["token_file"])
         assert verdict["ok"] is True
-        assert (verdict["ticket_id"], verdict["fence"]) == (held["ticket_id"], 1)
+        assert (verdict["ticket_id"], verdict["fence"]) == (held["ticket_id"], held["fence"])
         assert (verdict["lock_name"], verdict["repo"]) == (SEED["lock_name"], SEED["repo"])
 
         await c.call("release_lock_ticket", repo=SEED["repo"], lock_name=SEED["lock_name"], ticket_id=held["ticket_id"])
@@ -487,8 +555,14 @@ def _server_pid(lock_dir: Path) -> int:
     pytest.fail(f"no pearing-mcp process for {lock_dir}")
 
 
-async def test_many_calls_do_not_leak_file_descriptors(tmp_path: Path, agents: set[int]) -> None:
-    async with serve(tmp_path, agents) as c:
+@pytest.mark.etcd_xfail(
+    "the server leaks directory fds on etcd: 40 rounds of get/heartbeat/list/unknown-get leave a few more "
+    "open (status no longer leaks one per lock; another path still does)"
+)
+async def test_many_calls_do_not_leak_file_descriptors(
+    server_args: list[str], tmp_path: Path, agents: set[int]
+) -> None:
+    async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()
         ref = {"repo": SEED["repo"], "lock_name": SEED["lock_name"], "ticket_id": held["ticket_id"]}
         fd_dir = f"/proc/{_server_pid(tmp_path / 'lockdir')}/fd"
@@ -538,22 +612,3 @@ def test_the_sdk_is_imported_only_by_the_server() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-
-
-async def test_the_seed_acquisition_over_mcp_on_etcd(tmp_path: Path, agents: set[int], etcd: Cluster) -> None:
-    """The same tools with --backend etcd://...: held, queued, same-uuid retry, verify, promotion."""
-    lock = f"thread-work.{uuid.uuid4().hex[:8]}"
-    async with serve(tmp_path, agents, "--backend", etcd.url) as c:
-        held = await c.acquire(lock_name=lock)
-        assert held["state"] == "held" and held["fence"] >= 1 and held["token_file"]
-        waiting = await c.acquire(lock_name=lock, wait_seconds=0)
-        assert waiting["state"] == "waiting" and waiting["queue_position"] == 1
-        again = await c.acquire(waiting["request_uuid"], lock_name=lock, wait_seconds=0)
-        assert again["ticket_id"] == waiting["ticket_id"]
-        assert (await c.call("verify_token", token_file=held["token_file"]))["ok"] is True
-        ref = {"repo": SEED["repo"], "lock_name": lock}
-        released = await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"])
-        assert released["state"] == "released"
-        promoted = await c.acquire(waiting["request_uuid"], lock_name=lock, wait_seconds=10)
-        assert promoted["state"] == "held" and promoted["fence"] > held["fence"]
-        assert (await c.call("verify_token", token_file=held["token_file"]))["ok"] is False

@@ -1,4 +1,7 @@
-"""Operator experience: unit files, log lines, status output, --version, README blocks."""
+"""Operator experience: unit files, log lines, status output, --version, README blocks.
+
+Tests that take ``backend`` run on the lock dir and on etcd, where fences are revisions.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_for
+from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_queued
 
 from singleflight import __version__
 from singleflight.core.const import ExitCode
@@ -60,8 +63,8 @@ def test_systemd_units_verify_clean(tmp_path: Path) -> None:
     assert r.returncode == 0 and not problems, r.stderr
 
 
-def test_cron_example_hourly_line_runs_once(procs: Procs, work: Path) -> None:
-    """The crontab's hourly line (backend flag dropped: this is one host) runs once per period."""
+def test_cron_example_hourly_line_runs_once(backend: str, procs: Procs, work: Path) -> None:
+    """The crontab's hourly line (its --backend replaced by the test's backend) runs once per period."""
     line = next(x for x in (ROOT / "contrib/cron/crontab.example").read_text().splitlines() if "hourly-sync" in x)
     assert "md5sum" not in line and "--min-interval 50m" in line
     flags = shlex.split(line.split("pearing-run", 1)[1].split(" -- ", 1)[0])
@@ -77,37 +80,42 @@ def test_cron_example_hourly_line_runs_once(procs: Procs, work: Path) -> None:
 # -- log lines ---------------------------------------------------------------------------
 
 
-def test_verbose_text_lines_name_each_lifecycle_event(procs: Procs, work: Path) -> None:
+def test_verbose_text_lines_name_each_lifecycle_event(backend: str, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("-v", "--job", "j", "--", "sh", "-c", gate.script())
     gate.wait_ready()
     waiter = procs.pr("-v", "--job", "j", "--wait-seconds", "20", "--", "true")
-    wait_for(lambda: list((procs.lock_dir / "locks/default/@j/queue").glob("0*")), 10, "the waiter to queue")
+    wait_queued(procs, "j", 1)
     gate.open()
     h, w = procs.finish(holder), procs.finish(waiter)
     assert h.returncode == 0 and w.returncode == 0
-    assert re.fullmatch(
-        r"pearing-run: acquired lock=j repo=default fence=1 ticket=\S+ waited=\S+s promoted=0", h.err_lines[0]
+    first = re.fullmatch(
+        r"pearing-run: acquired lock=j repo=default fence=(\d+) ticket=\S+ waited=\S+s promoted=0", h.err_lines[0]
     )
+    assert first, h
     assert re.fullmatch(r"pearing-run: released lock=j ticket=\S+ status=0", h.err_lines[-1])
     assert re.fullmatch(r"pearing-run: waiting lock=j position=1 max_wait=20s", w.err_lines[0])
-    assert re.fullmatch(r"pearing-run: acquired .* fence=2 .* promoted=1", w.err_lines[1])
+    second = re.fullmatch(r"pearing-run: acquired .* fence=(\d+) .* promoted=1", w.err_lines[1])
+    assert second, w
+    assert int(second.group(1)) > int(first.group(1))
+    assert backend != "local" or (first.group(1), second.group(1)) == ("1", "2")
 
 
-def test_lease_lost_line_and_json_format(procs: Procs, work: Path) -> None:
+def test_lease_lost_line_and_json_format(backend: str, procs: Procs, work: Path) -> None:
     r = procs.pr_run(
-        "-v", "--log-format", "json", "--job", "j", "--heartbeat", "manual", "--lease-seconds", "0.5",
+        "-v", "--log-format", "json", "--job", "j", "--heartbeat", "manual", "--lease-seconds", "2",
         "--kill-grace", "2", "--", "sh", "-c", "while :; do sleep 0.05; done",
     )  # fmt: skip
     assert r.returncode == ExitCode.LEASE_LOST
     events = [json.loads(line) for line in r.err_lines]
     assert [e["event"] for e in events] == ["acquired", "heartbeat-missed", "lease-lost"]
-    assert events[0]["prog"] == "pearing-run" and events[0]["fence"] == 1 and events[0]["ts"].endswith("Z")
-    assert events[1]["lease"] == "0.5s"
+    assert events[0]["prog"] == "pearing-run" and events[0]["ts"].endswith("Z")
+    assert isinstance(events[0]["fence"], int) and (backend != "local" or events[0]["fence"] == 1)
+    assert events[1]["lease"] == "2s"
     assert events[2]["reason"] == "lease expired"
 
 
-def test_errors_are_json_too_with_json_format(procs: Procs) -> None:
+def test_errors_are_json_too_with_json_format(backend: str, procs: Procs) -> None:
     r = procs.pr_run("--log-format", "json", "--job", "j", "--", "/nonexistent/cmd")
     assert r.returncode == ExitCode.NOTFOUND
     (line,) = r.err_lines
@@ -115,7 +123,7 @@ def test_errors_are_json_too_with_json_format(procs: Procs) -> None:
     assert obj["event"] == "error" and "/nonexistent/cmd" in obj["message"]
 
 
-def test_journald_priority_prefix_when_stderr_is_the_journal_stream(procs: Procs, tmp_path: Path) -> None:
+def test_journald_priority_prefix_when_stderr_is_the_journal_stream(backend: str, procs: Procs, tmp_path: Path) -> None:
     """JOURNAL_STREAM naming our stderr (as systemd sets it) adds <N> priorities."""
     log = tmp_path / "journal"
     with open(log, "wb") as f:
@@ -143,11 +151,12 @@ def _held(procs: Procs, work: Path) -> Gate:
     return gate
 
 
-def test_status_json_when_not_a_terminal(procs: Procs, work: Path) -> None:
+def test_status_json_when_not_a_terminal(backend: str, procs: Procs, work: Path) -> None:
     gate = _held(procs, work)
     r = procs.run([PEARING_CLI, "status"])
     (lock,) = json.loads(r.stdout)
-    assert lock["lock_name"] == "j" and lock["state"] == "held" and lock["fence"] == 1
+    assert lock["lock_name"] == "j" and lock["state"] == "held" and lock["fence"] == lock["holder"]["fence"]
+    assert backend != "local" or lock["fence"] == 1
     assert lock["holder"]["identity"] == "codex" and 0 < lock["holder"]["lease_left"] <= 60
     assert lock["waiters"] == []
     gate.open()
@@ -180,12 +189,13 @@ def _on_a_tty(argv: list[str], env: dict[str, str], until: bytes, timeout: float
     return b"".join(chunks)
 
 
-def test_status_table_on_a_terminal_and_watch(procs: Procs, work: Path) -> None:
+def test_status_table_on_a_terminal_and_watch(backend: str, procs: Procs, work: Path) -> None:
     gate = _held(procs, work)
+    (lock,) = json.loads(procs.run([PEARING_CLI, "status"]).stdout)
     out = _on_a_tty([PEARING_CLI, "status"], procs.env, b"codex")
     lines = out.decode().replace("\r", "").splitlines()
     assert lines[0].split() == ["LOCK", "REPO", "STATE", "IDENTITY", "FENCE", "LEASE", "LEFT", "WAITERS", "ACTIVITY"]
-    assert lines[1].split()[:5] == ["j", "default", "held", "codex", "1"]
+    assert lines[1].split()[:5] == ["j", "default", "held", "codex", str(lock["fence"])]
     # --watch redraws (clear-screen sequence) until interrupted.
     out = _on_a_tty([PEARING_CLI, "status", "--watch", "--interval", "0.2"], procs.env, b"codex", 15)
     assert out.startswith(b"\x1b[H\x1b[2J")
@@ -223,6 +233,7 @@ def test_readme_first_screen_has_exactly_two_setup_commands() -> None:
     assert "python -m pytest" in blocks[1] and "python -m pytest" in ci
 
 
+@pytest.mark.local_only("the demo's output shows a fresh lock dir's first fence, 1")
 def test_readme_demo_runs(procs: Procs, tmp_path: Path) -> None:
     """The demo one-liner, minus the install (this venv is the install)."""
     demo = _blocks("sh")[0].strip()
@@ -235,7 +246,7 @@ def test_readme_demo_runs(procs: Procs, tmp_path: Path) -> None:
     assert b"a second contender exited 75" in r.stdout
 
 
-def test_readme_cli_walkthrough_runs(procs: Procs) -> None:
+def test_readme_cli_walkthrough_runs(backend: str, procs: Procs) -> None:
     """The pearing-cli block of the README, command for command, with the real ticket id."""
     block = next(b for b in _blocks("sh") if "acquire-lock" in b)
     commands = [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
@@ -250,18 +261,21 @@ def test_readme_cli_walkthrough_runs(procs: Procs) -> None:
     assert ticket is not None
 
 
-def test_readme_python_guard_example_runs(procs: Procs, work: Path) -> None:
+def test_readme_python_guard_example_runs(backend: str, procs: Procs, work: Path) -> None:
     """The Python guard example, run inside a pearing-run with post_reply stubbed to record."""
     code = next(b for b in _blocks("python") if "import guard" in b)
     script = work / "example.py"
     script.write_text(
         "import sys\nposted = []\ndef post_reply(**kw):\n    posted.append(kw)\n"
         + code
-        + "\nassert posted == [{'thread': 42, 'body': '...'}], posted\nprint('accepted', verdict.fence)\n"
+        + "\nassert posted == [{'thread': 42, 'body': '...'}], posted\n"
+        + "import os\nprint('accepted', verdict.fence, os.environ['PEARING_FENCE'])\n"
     )
     r = procs.pr_run("--job", "thread-work.42", "--", sys.executable, str(script))
     assert r.returncode == 0, r
-    assert r.stdout.strip() == b"accepted 1"
+    word, accepted, fence = r.stdout.decode().split()
+    assert (word, accepted) == ("accepted", fence), r
+    assert backend != "local" or fence == "1"
 
 
 def test_readme_lock_example_runs(backend: str, procs: Procs, work: Path) -> None:
@@ -290,7 +304,7 @@ def test_readme_mentions_every_exit_code_and_env_name() -> None:
         assert os.path.basename(cmd) in README
 
 
-def test_readme_recipe_runs_for_two_responders_and_a_replay(procs: Procs, work: Path) -> None:
+def test_readme_recipe_runs_for_two_responders_and_a_replay(backend: str, procs: Procs, work: Path) -> None:
     """The recipe block, with stand-ins for the agent and the thread service."""
     block = next(b for b in _blocks("sh") if "handle-thread" in b)
     bin_dir = work / "bin"
@@ -310,17 +324,20 @@ def test_readme_recipe_runs_for_two_responders_and_a_replay(procs: Procs, work: 
     env = dict(procs.env, PATH=f"{bin_dir}:{BIN_DIR}:{os.environ['PATH']}", EVENT_UUID=str(uuid.uuid4()))
     first = procs.run(["sh", "-c", block], env=env)
     assert first.returncode == 0, first
-    assert pushes.read_text() == "1 0\n"
+    pushed = pushes.read_text()
+    fence, promoted = pushed.split()
+    assert promoted == "0" and int(fence) >= 1 and pushed == f"{fence} 0\n", pushed
+    assert backend != "local" or fence == "1"
     # The replay of the same event: deduplicated, nothing runs.
     assert procs.run(["sh", "-c", block], env=env).returncode == 0
     # The second responder with its own event id: --skip-if sees the work done.
     env2 = dict(env, EVENT_UUID=str(uuid.uuid4()))
     assert procs.run(["sh", "-c", block], env=env2).returncode == 0
-    assert pushes.read_text() == "1 0\n"
+    assert pushes.read_text() == pushed
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
-def test_readme_guarded_push_runs_only_for_the_live_holder(procs: Procs, work: Path) -> None:
+def test_readme_guarded_push_runs_only_for_the_live_holder(backend: str, procs: Procs, work: Path) -> None:
     """`pearing-guard exec -- git push ...` from the README, against a local bare origin."""
     line = next(x for b in _blocks("sh") for x in b.splitlines() if x.startswith("pearing-guard exec -- git push"))
     origin, clone = work / "origin.git", work / "clone"

@@ -462,4 +462,6 @@ TicketLifecycle.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-test_ticket_lifecycle = TicketLifecycle.TestCase
+test_ticket_lifecycle = pytest.mark.local_only("drives LocalBackend in-process and reads its ticket records")(
+    TicketLifecycle.TestCase
+)

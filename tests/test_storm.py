@@ -5,6 +5,10 @@ Every contender runs its contested step inside ``pearing-guard exec`` and record
 recorded intervals must not overlap and the fences must strictly increase in start order.
 While a storm runs, tickets/ is sampled under the lock's record mutex: never two tickets
 held at once. Counts are printed (``STORM ...``, run with ``-s``).
+
+Both storms are local_only: they read the lock dir's ticket records while they run, and
+a 50-run storm takes about three times as long on etcd. Mutual exclusion under
+contention on both backends is test_run's ``test_concurrent_contenders_never_overlap``.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ def drain(procs: Procs, ps: list[Any], sample: Sampler, timeout: float) -> list[
 
 
 @pytest.mark.slow
+@pytest.mark.local_only("samples the lock dir's ticket records under state.lock while the storm runs")
 def test_storm_of_50_guarded_contenders(procs: Procs, work: Path, lock_dir: Path) -> None:
     n = 50
     outs = [work / f"c{i}.log" for i in range(n)]
@@ -133,6 +138,7 @@ def test_storm_of_50_guarded_contenders(procs: Procs, work: Path, lock_dir: Path
 
 
 @pytest.mark.slow
+@pytest.mark.local_only("finds the holders and waiters it kills in the lock dir's ticket records")
 def test_seeded_storm_with_kills(procs: Procs, work: Path, lock_dir: Path) -> None:
     rng = random.Random(SEED)
     n = 30

@@ -17,7 +17,7 @@ import sys
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.core import names
+from singleflight.core import fault, names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
@@ -85,16 +85,27 @@ def cmd_exec(argv: list[str], log: Log) -> int:
 
 
 def _run_bounded(command: list[str], max_seconds: float, log: Log) -> int:
+    # A signal between the spawn and our handlers would kill us and orphan CMD (its guard
+    # held by nobody): block them across, and let CMD start with none blocked.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     try:
         pid = os.posix_spawnp(
-            command[0], command, dict(os.environ), setpgroup=0, setsigdef=(*_FORWARDED, signal.SIGPIPE)
+            command[0],
+            command,
+            dict(os.environ),
+            setpgroup=0,
+            setsigdef=(*_FORWARDED, signal.SIGPIPE),
+            setsigmask=old,
         )
     except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
         found = not isinstance(exc, FileNotFoundError)
         log.error(f"command {'not executable' if found else 'not found'}: {command[0]}: {exc.strerror}")
         return int(ExitCode.NOEXEC if found else ExitCode.NOTFOUND)
+    fault.pause("pause-guard-spawned")
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, frame: _killpg(pid, signum))
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
     pidfd = os.pidfd_open(pid)
     ready, _, _ = select.select([pidfd], [], [], max_seconds)
     if not ready:

@@ -1,6 +1,6 @@
-"""pearing-cli: the seed's lock commands against the local lock dir.
+"""pearing-cli: the seed's lock commands, on the lock dir or etcd.
 
-A thin typer layer: parse, call one backend method, print JSON, and turn
+A thin typer layer: parse, call one of the seed's operations (ops.py), print JSON, and turn
 errors into exit codes in one place (``main``).
 """
 

@@ -17,6 +17,8 @@ from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
     ENV_METRICS_DIR,
+    QUEUE_FIFO,
+    QUEUE_MODES,
     ExitCode,
 )
 from singleflight.core.errors import BadValue, PearingError, UsageError
@@ -48,6 +50,8 @@ OPTIONS = [
     ),
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR or per user)"),
     Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
+    Option("--queue", dest="queue", metavar="fifo|latest", help="latest: a newer waiter replaces older ones"),
+    Option("--cancel-in-progress", dest="cancel", flag=True, help="stop an opted-in holder, then take the lock"),
     Option("--log-format", dest="log_format", metavar="text|json", help="stderr line format (default text)"),
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
@@ -83,6 +87,9 @@ def build_options(argv: list[str]) -> RunOptions:
     heartbeat = _opt(values, "heartbeat", "auto")
     if heartbeat not in ("auto", "manual"):
         raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
+    queue = _opt(values, "queue", QUEUE_FIFO)
+    if queue not in QUEUE_MODES:
+        raise BadValue("--queue", queue, "must be fifo or latest")
     log_format = _opt(values, "log_format", "text")
     if log_format not in FORMATS:
         raise BadValue("--log-format", log_format, "must be text or json")
@@ -112,6 +119,8 @@ def build_options(argv: list[str]) -> RunOptions:
         log_format=log_format,
         command=command,
         backend=backend_url(_opt_str(values, "backend"), os.environ.get(ENV_BACKEND)),
+        queue=queue,
+        cancel_in_progress=bool(values.get("cancel")),
     )
 
 
@@ -142,11 +151,11 @@ def _skip_if(value: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ensure_std_fds()  # first: no fd of ours may land on 0-2
     args = sys.argv[1:] if argv is None else argv
     # Errors before parsing finishes still honour --log-format json.
     log = Log(PROG, fmt="json" if "--log-format=json" in args or _pair(args, "--log-format", "json") else "text")
     try:
-        ensure_std_fds()
         return run(build_options(args))
     except PearingError as exc:
         log.error(str(exc))

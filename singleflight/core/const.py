@@ -59,7 +59,12 @@ HELD: Final = "held"
 RELEASED: Final = "released"
 EXPIRED: Final = "expired"
 CANCELLED: Final = "cancelled"
-LIVE_STATES: Final = frozenset({WAITING, HELD})
+
+# --queue: FIFO waiters keep their order; a `latest` waiter replaces older `latest` ones.
+QUEUE_FIFO: Final = "fifo"
+QUEUE_LATEST: Final = "latest"
+QUEUE_MODES: Final = (QUEUE_FIFO, QUEUE_LATEST)
+SUPERSEDED: Final = "superseded by "
 
 # Request-uuid records: one run of a request is in flight (active) or ended.
 REQUEST_ACTIVE: Final = "active"

@@ -9,11 +9,6 @@ class PearingError(Exception):
     exit_code: ExitCode = ExitCode.SOFTWARE
 
 
-class InternalError(PearingError):
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"internal error (a bug, please report it): {detail}")
-
-
 class BadValue(PearingError):
     """A flag, name, scope, uuid, number or path that breaks its rule."""
 
@@ -26,14 +21,6 @@ class BadValue(PearingError):
 
 class UsageError(PearingError):
     exit_code = ExitCode.USAGE
-
-
-class LockBusy(PearingError):
-    exit_code = ExitCode.BUSY
-
-    def __init__(self, lock: str, detail: str = "held by another run") -> None:
-        self.lock = lock
-        super().__init__(f"lock {lock!r} is busy: {detail}")
 
 
 class LockDirError(PearingError):

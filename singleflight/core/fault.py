@@ -4,7 +4,8 @@ Off unless ``PEARING_FAULT`` names points (comma-separated), e.g.
 ``PEARING_FAULT=after-fence-bump``. The reliability suite uses it to prove that
 a kill at any step never leaves a lock held forever, two holders at once, or a
 fence reused. Points: after-flock, after-fence-bump, after-token-file,
-after-holder-spawn, mid-release, mid-promotion, mid-ledger.
+after-holder-spawn, mid-release, mid-promotion, mid-ledger. Pause points (SIGSTOP
+instead): pause-holder-start, pause-guard-spawned.
 """
 
 from __future__ import annotations
@@ -18,3 +19,9 @@ _ARMED = frozenset(filter(None, os.environ.get("PEARING_FAULT", "").split(",")))
 def point(name: str) -> None:
     if name in _ARMED:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause(name: str) -> None:
+    """Stop here (SIGSTOP) if armed: a test then signals the process inside a narrow window."""
+    if name in _ARMED:
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -11,13 +11,19 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from typing import Final
 
-from singleflight.core.const import ENV_LOCK_DIR, ROOT_LOCK_DIR
+from singleflight.core.const import ENV_LOCK_DIR, MAX_FENCE, ROOT_LOCK_DIR
 from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotPermitted
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted where a record belongs must not hang open(); O_NOCTTY: nor
+# may a terminal device become ours.
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+# Every record is a few hundred bytes; a larger file is not one of ours.
+MAX_RECORD: Final = 1 << 20
 # A symlink met with O_NOFOLLOW gives ELOOP; a symlink standing for a
 # directory in a dir_fd walk gives ENOTDIR.
 _SYMLINK_ERRNOS: Final = frozenset({errno.ELOOP, errno.ENOTDIR, errno.EMLINK})
@@ -86,6 +92,16 @@ def _os_error(path: str, exc: OSError) -> Exception:
     return LockDirError(path, exc.strerror or str(exc))
 
 
+def _plain(d: Dir, name: str) -> None:
+    """One name inside ``d``: never a path that could leave it, never one the OS refuses.
+
+    Names come from validated values (a UUID, a lock name) or from listing the dir, so this
+    is a backstop: a name read from a record that slipped past validation stops here (77).
+    """
+    if not name or name in (".", "..") or "/" in name or "\0" in name or len(name) > 255:
+        raise NotPermitted(d.child_path(name.replace("\0", "\\0")), "not a plain file name; refusing to leave the dir")
+
+
 class Dir:
     """An open directory inside the lock dir; owns its fd."""
 
@@ -97,6 +113,8 @@ class Dir:
     @classmethod
     def open_root(cls, path: str, *, create: bool) -> Dir:
         """Open (and create 0700) the lock dir itself, refusing a hostile one."""
+        if not path or "\0" in path:
+            raise LockDirError(repr(path), "not a usable lock dir path")
         path = os.path.abspath(path)
         try:
             fd = os.open(path, _DIR_FLAGS)
@@ -131,8 +149,11 @@ class Dir:
             raise _os_error(path, exc) from None
         try:
             st = os.fstat(fd)
-            if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-                raise NotPermitted(path, f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+            if st.st_uid not in (0, os.geteuid()):
+                raise NotPermitted(path, f"{what} is owned by uid {st.st_uid}, not by root or this user")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                mode = stat.S_IMODE(st.st_mode)
+                raise NotPermitted(path, f"{what} is writable by others without the sticky bit (mode {mode:o})")
             check_ancestors(path)
         except BaseException:
             os.close(fd)
@@ -144,6 +165,7 @@ class Dir:
 
     def sub(self, name: str, *, create: bool = True) -> Dir:
         path = self.child_path(name)
+        _plain(self, name)
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
         except FileNotFoundError:
@@ -174,6 +196,7 @@ class Dir:
 
     def open(self, name: str, flags: int, mode: int = 0o600) -> int:
         """Open a file in this dir without following a symlink."""
+        _plain(self, name)
         try:
             return os.open(name, flags | _FILE_FLAGS, mode, dir_fd=self.fd)
         except FileNotFoundError:
@@ -181,17 +204,36 @@ class Dir:
         except OSError as exc:
             raise _os_error(self.child_path(name), exc) from None
 
-    def read(self, name: str) -> bytes | None:
-        """The whole file, or None when it does not exist."""
+    def read(self, name: str, check: Callable[[int], None] | None = None) -> bytes | None:
+        """The whole record, or None when it does not exist.
+
+        Anything but a regular file (a directory, a FIFO, a device) is refused (77), and a
+        file larger than any record is corrupt (74): every failure names the path.
+        ``check`` sees the open fd first (a ledger's owner and mode).
+        """
         try:
-            fd = self.open(name, os.O_RDONLY)
+            fd = self.open(name, _READ_FLAGS)
         except FileNotFoundError:
             return None
+        path = self.child_path(name)
         try:
+            if check is not None:
+                check(fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotPermitted(path, "is not a regular file; refusing to read it as a record")
+            if st.st_size > MAX_RECORD:
+                raise CorruptRecord(path, f"{st.st_size} bytes, larger than any record")
             chunks = []
+            size = 0
             while chunk := os.read(fd, 65536):
                 chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_RECORD:
+                    raise CorruptRecord(path, "larger than any record")
             return b"".join(chunks)
+        except OSError as exc:
+            raise _os_error(path, exc) from None
         finally:
             os.close(fd)
 
@@ -201,9 +243,14 @@ class Dir:
         ``durable`` fsyncs file and directory so the record survives power loss
         (fences and dedupe records need that; a ticket of a dead machine does not).
         """
+        _plain(self, name)
         tmp = f".tmp.{name}.{os.getpid()}"
+        # O_EXCL on a fresh name: in a shared (sticky) ledger dir another user may have
+        # planted a file of the temp's name, and writing into their inode would hand them
+        # the record after the rename.
+        self.unlink(tmp)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, mode, dir_fd=self.fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, mode, dir_fd=self.fd)
         except OSError as exc:
             raise _os_error(self.child_path(name), exc) from None
         try:
@@ -226,6 +273,7 @@ class Dir:
                 raise _os_error(self.path, exc) from None
 
     def unlink(self, name: str) -> bool:
+        _plain(self, name)
         try:
             os.unlink(name, dir_fd=self.fd)
         except FileNotFoundError:
@@ -235,10 +283,19 @@ class Dir:
         return True
 
     def rename(self, src: str, dst: str) -> None:
+        _plain(self, src)
+        _plain(self, dst)
         try:
             os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError as exc:
             raise _os_error(self.child_path(dst), exc) from None
+
+    def fsync(self) -> None:
+        """Make a rename in this directory durable."""
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from None
 
     def listdir(self) -> list[str]:
         try:
@@ -247,10 +304,13 @@ class Dir:
             raise _os_error(self.path, exc) from None
 
     def lstat(self, name: str) -> os.stat_result | None:
+        _plain(self, name)
         try:
             return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise _os_error(self.child_path(name), exc) from None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -264,9 +324,15 @@ class Dir:
         self.close()
 
 
-def parse_int_record(path: str, data: bytes) -> int:
-    """A decimal counter file (fences, ledger entries); corrupt is an error, never 0."""
+def parse_int_record(path: str, data: bytes, *, low: int = 1, high: int = MAX_FENCE) -> int:
+    """A decimal counter file (a fence): ASCII digits from ``low`` to ``high``, surrounding
+    whitespace allowed. Anything else is corrupt (74), never read as 0."""
     text = data.decode("ascii", "replace").strip()
-    if not text.isdigit():
-        raise CorruptRecord(path, f"expected a decimal integer, found {text[:40]!r}")
-    return int(text)
+    digits = text.lstrip("0") or "0"
+    # int() refuses more than 4300 digits (ValueError): a longer value is over any ceiling anyway.
+    if not text or not text.isascii() or not text.isdigit() or len(digits) > len(str(high)):
+        raise CorruptRecord(path, f"expected a decimal integer from {low} to {high}, found {text[:40]!r}")
+    value = int(digits)
+    if not low <= value <= high:
+        raise CorruptRecord(path, f"expected a decimal integer from {low} to {high}, found {text[:40]!r}")
+    return value

@@ -14,37 +14,56 @@ import os
 import stat
 
 from singleflight.core import fault
+from singleflight.core.const import MAX_FENCE
 from singleflight.core.errors import CorruptRecord, NotPermitted, StaleFence
 from singleflight.core.fs import Dir
+from singleflight.core.ticket import loads
+
+
+def _trusted(d: Dir, name: str, fd: int) -> None:
+    """A ledger (or its lock file) is ours alone: a regular file of this user's that nobody
+    else can write. In a sticky shared dir another user may own a file of this name, or make
+    one writable to all: either way they could rewrite it to ``{}`` and pass a stale fence.
+    Checked on the open fd, so the file cannot be swapped between check and use."""
+    st = os.fstat(fd)
+    path = d.child_path(name)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotPermitted(path, "is not a regular file; refusing it as a ledger")
+    if st.st_uid != os.geteuid():
+        raise NotPermitted(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise NotPermitted(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _table(path: str, data: bytes) -> dict[str, int]:
+    """The ledger's fences; an empty or unparsable ledger is corrupt (74), never "nothing seen"."""
+    if not data.strip():
+        raise CorruptRecord(path, "empty")
+    try:
+        obj = loads(data)
+    except ValueError as exc:
+        raise CorruptRecord(path, f"not JSON: {exc}") from None
+    if not isinstance(obj, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_FENCE for v in obj.values()
+    ):
+        raise CorruptRecord(path, f"not an object of fences (integers from 1 to {MAX_FENCE})")
+    return obj
 
 
 def accept(d: Dir, name: str, resource: str, fence: int) -> int:
     """Accept ``fence`` if it is >= the highest recorded for ``resource``; StaleFence otherwise.
 
     ``d`` is the ledger's directory, already checked; ``name`` the ledger file in it.
-    An empty or unparsable ledger is corrupt (74), never read as "nothing seen yet".
     """
     path = d.child_path(name)
-    st = d.lstat(name)
-    if st is not None and (st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat.S_ISREG(st.st_mode)):
-        # In a sticky shared dir another user may own a file of this name: never trust it.
-        raise NotPermitted(path, f"not a regular file of this user's, or writable by others (uid {st.st_uid})")
-    lock_fd = d.open(name + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    lock_name = name + ".lock"
+    lock_fd = d.open(lock_name, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o600)
     try:
+        _trusted(d, lock_name, lock_fd)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        data = d.read(name)
-        table: dict[str, int] = {}
-        if data is not None:
-            try:
-                obj = json.loads(data)
-                if not isinstance(obj, dict) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in obj.values()
-                ):
-                    raise ValueError("not an object of fences (integers >= 1)")
-                table = obj
-            except ValueError as exc:
-                raise CorruptRecord(path, str(exc) or "empty") from None
-        highest = int(table.get(resource, 0))
+        data = d.read(name, lambda fd: _trusted(d, name, fd))
+        table = {} if data is None else _table(path, data)
+        highest = table.get(resource, 0)
         if fence < highest:
             raise StaleFence(resource, fence, highest)
         if fence > highest:

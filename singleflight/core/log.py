@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 
 # sd-daemon(3) priorities.
@@ -65,7 +64,9 @@ class Log:
         if self.journald:
             line = f"<{priority}>{line}"
         with contextlib.suppress(OSError, ValueError):
-            os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+            # fd 2, not sys.stderr: started with stderr closed, Python sets sys.stderr to None
+            # (and pearing-run puts /dev/null on fd 2 before anything else).
+            os.write(2, (line + "\n").encode(errors="replace"))
 
 
 def _now() -> str:

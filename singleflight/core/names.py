@@ -56,6 +56,12 @@ def request_uuid(value: str) -> str:
     return low
 
 
+def is_uuid(value: str) -> bool:
+    """A canonical lower-case UUID (what every id we write is): a record's pointer must be one."""
+    parts = value.split("-")
+    return [len(p) for p in parts] == [8, 4, 4, 4, 12] and set("".join(parts)) <= _HEX
+
+
 def ticket_id(value: str) -> str:
     try:
         return request_uuid(value)

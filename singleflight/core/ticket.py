@@ -7,11 +7,27 @@ Plain ``__slots__`` classes rather than dataclasses: ``dataclasses`` pulls in
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
-from singleflight.core.const import HELD, REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED, WAITING
+from singleflight.core import names
+from singleflight.core.const import (
+    CANCELLED,
+    EXPIRED,
+    HELD,
+    MAX_FENCE,
+    QUEUE_FIFO,
+    QUEUE_MODES,
+    RELEASED,
+    REQUEST_ACTIVE,
+    REQUEST_FAILED,
+    REQUEST_SUCCEEDED,
+    WAITING,
+)
+from singleflight.core.errors import BadValue
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
 # or mean nothing to users (monotonic stamps, the holder's start time).
@@ -36,6 +52,10 @@ FIELDS = (
     "ended_at",
     "end_reason",
     "token_hash",
+    "queue_mode",
+    "cancel_in_progress",
+    "kill_grace",
+    "superseded_by",
 )
 _HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
 _TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
@@ -60,6 +80,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "ended_at": (int, float),
     "end_reason": (str,),
     "token_hash": (str,),
+    "queue_mode": (str,),
+    "cancel_in_progress": (bool,),
+    "kill_grace": (int, float),
+    "superseded_by": (str,),
 }
 
 
@@ -80,8 +104,70 @@ def new_uuid4() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def _checked(obj: Any, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
-    """The fields of a decoded record, each of its type (bool is no number) or None."""
+_STATES: Final = frozenset({WAITING, HELD, RELEASED, EXPIRED, CANCELLED})
+_REQUEST_STATES: Final = frozenset({REQUEST_ACTIVE, REQUEST_SUCCEEDED, REQUEST_FAILED})
+_HEX: Final = frozenset("0123456789abcdef")
+# Free text in a record (a host name, a boot id, an end reason): bounded, and no NUL,
+# which no OS call accepts.
+_MAX_TEXT: Final = 1024
+# A pid is a C int to the OS (pidfd_open overflows beyond); a start stamp is clock ticks.
+_MAX_PID: Final = 2**31 - 1
+_MAX_INT: Final = 2**63 - 1
+
+
+def _uuid(value: str) -> bool:
+    try:
+        return names.request_uuid(value) == value
+    except BadValue:
+        return False
+
+
+def _valid(check: Callable[[str], object]) -> Callable[[str], bool]:
+    def ok(value: str) -> bool:
+        try:
+            check(value)
+        except BadValue:
+            return False
+        return True
+
+    return ok
+
+
+def _text(value: str) -> bool:
+    return len(value) <= _MAX_TEXT and "\0" not in value
+
+
+# Per field, beyond its type: what a record written by this tool always satisfies. A name that
+# becomes a file name (ticket id, identity) must never reach the OS unchecked.
+_TICKET_STRINGS: dict[str, Callable[[str], bool]] = {
+    "ticket_id": _uuid,
+    "request_uuid": _uuid,
+    "lock_name": _valid(names.lock_name),
+    "repo": _valid(names.scope),
+    "identity": _valid(names.identity),
+    "state": _STATES.__contains__,
+    "token_hash": lambda v: len(v) == 64 and set(v) <= _HEX,
+    "queue_mode": QUEUE_MODES.__contains__,
+    "superseded_by": _uuid,
+}
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "fence": (1, MAX_FENCE),
+    "holder_pid": (1, _MAX_PID),
+    "holder_start": (0, _MAX_INT),
+    "pid": (1, _MAX_PID),
+    "start": (0, _MAX_INT),
+    "status": (-_MAX_PID, _MAX_PID),
+}
+
+
+def _checked(
+    obj: Any,
+    fields: dict[str, tuple[type, ...]],
+    required: tuple[str, ...],
+    strings: dict[str, Callable[[str], bool]],
+) -> dict[str, Any]:
+    """The fields of a decoded record, each of its type (bool is no number) and in its range,
+    or None. ValueError names the first field that is not."""
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     out: dict[str, Any] = {}
@@ -92,8 +178,26 @@ def _checked(obj: Any, fields: dict[str, tuple[type, ...]], required: tuple[str,
                 raise ValueError(f"missing {name}")
         elif not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise ValueError(f"{name} is {type(value).__name__}, not {types[0].__name__}")
+        elif isinstance(value, str):
+            if not strings.get(name, _text)(value):
+                raise ValueError(f"{name} is not a valid value: {value[:40]!r}")
+        elif isinstance(value, float):
+            if not math.isfinite(value) or abs(value) > 1e15:
+                raise ValueError(f"{name} is not a finite number of seconds: {value!r}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            low, high = _INT_RANGES.get(name, (-(10**15), 10**15))
+            if not low <= value <= high:
+                raise ValueError(f"{name} is out of range: {value}")
         out[name] = value
     return out
+
+
+def loads(data: bytes) -> Any:
+    """JSON of a record; ValueError for anything that is not (deep nesting included)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 class Ticket:
@@ -122,6 +226,10 @@ class Ticket:
         ended_at: float | None = None,
         end_reason: str | None = None,
         token_hash: str | None = None,
+        queue_mode: str | None = QUEUE_FIFO,
+        cancel_in_progress: bool | None = False,
+        kill_grace: float | None = None,
+        superseded_by: str | None = None,
     ) -> None:
         self.ticket_id, self.request_uuid = ticket_id, request_uuid
         self.lock_name, self.repo, self.identity = lock_name, repo, identity
@@ -133,6 +241,12 @@ class Ticket:
         self.created_at = time.time() if created_at is None else created_at
         self.acquired_at, self.ended_at, self.end_reason = acquired_at, ended_at, end_reason
         self.token_hash = token_hash
+        # Event-driven concurrency: a `latest` waiter is replaced by a newer one; a holder that
+        # opted in to cancel-in-progress is stopped (token dead, TERM, KILL after kill_grace)
+        # when a newer opted-in run asks (superseded_by).
+        self.queue_mode = queue_mode or QUEUE_FIFO
+        self.cancel_in_progress = bool(cancel_in_progress)
+        self.kill_grace, self.superseded_by = kill_grace, superseded_by
 
     ticket_id: str
     request_uuid: str
@@ -154,6 +268,10 @@ class Ticket:
     ended_at: float | None
     end_reason: str | None
     token_hash: str | None
+    queue_mode: str
+    cancel_in_progress: bool
+    kill_grace: float | None
+    superseded_by: str | None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELDS}
@@ -164,11 +282,12 @@ class Ticket:
     @classmethod
     def from_dict(cls, obj: Any) -> Ticket:
         """A ticket from its decoded record; ValueError for wrong fields or types."""
-        return cls(**_checked(obj, _TYPES, ("ticket_id", "request_uuid", "lock_name", "repo", "identity", "state")))
+        required = ("ticket_id", "request_uuid", "lock_name", "repo", "identity", "state")
+        return cls(**_checked(obj, _TYPES, required, _TICKET_STRINGS))
 
     @classmethod
     def from_json(cls, data: bytes) -> Ticket:
-        return cls.from_dict(json.loads(data))
+        return cls.from_dict(loads(data))
 
     def lease_left(self, now_mono: float) -> float | None:
         if self.lease_deadline_mono is None:
@@ -210,6 +329,7 @@ class Ticket:
         return out
 
 
+_REQUEST_STRINGS: dict[str, Callable[[str], bool]] = {"state": _REQUEST_STATES.__contains__, "ticket_id": _uuid}
 _REQUEST_TYPES: dict[str, tuple[type, ...]] = {
     "state": (str,),
     "ticket_id": (str,),
@@ -298,11 +418,14 @@ class RequestRecord:
 
     @classmethod
     def from_dict(cls, obj: Any, depth: int = 0) -> RequestRecord:
-        values = _checked(obj, _REQUEST_TYPES, ("state",))
+        values = _checked(obj, _REQUEST_TYPES, ("state",), _REQUEST_STRINGS)
         prev = obj.get("previous")
-        previous = cls.from_dict(prev, depth + 1) if isinstance(prev, dict) and depth < 1 else None
+        if prev is not None and not isinstance(prev, dict):
+            raise ValueError(f"previous is {type(prev).__name__}, not object")
+        # One run back is all a claim restores; older history is dropped on the next write.
+        previous = cls.from_dict(prev, depth + 1) if prev is not None and depth < 1 else None
         return cls(**values, previous=previous)
 
     @classmethod
     def from_json(cls, data: bytes) -> RequestRecord:
-        return cls.from_dict(json.loads(data))
+        return cls.from_dict(loads(data))

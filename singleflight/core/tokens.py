@@ -27,7 +27,7 @@ from singleflight.core.const import (
 )
 from singleflight.core.errors import BadValue, UsageError
 from singleflight.core.fs import Dir, resolve_lock_dir
-from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.ticket import Ticket, loads, rfc3339
 
 # A token file is a few hundred bytes; anything larger is not ours.
 _MAX_TOKEN_FILE = 65536
@@ -157,14 +157,21 @@ def read_claim(token_file: str | None, env: Mapping[str, str]) -> Claim | Verdic
         try:
             if len(data) > _MAX_TOKEN_FILE:
                 raise ValueError("too large")
-            obj = json.loads(data)
+            obj = loads(data)
             backend = obj.get("backend")
+            if backend and (not isinstance(backend, str) or not backend.startswith(("etcd://", "local"))):
+                raise ValueError("backend is not a backend url")
+            lock_dir = obj.get("lock_dir")
+            if lock_dir is not None and (
+                not isinstance(lock_dir, str) or not os.path.isabs(lock_dir) or "\0" in lock_dir
+            ):
+                raise ValueError("lock_dir is not an absolute path")
             return Claim(
                 names.lock_name(str(obj["lock"])),
                 names.scope(str(obj["repo"])),
                 names.ticket_id(str(obj["ticket"])),
                 str(obj["token"]),
-                lock_dir=str(obj.get("lock_dir") or resolve_lock_dir(env.get(ENV_LOCK_DIR))),
+                lock_dir=lock_dir or resolve_lock_dir(env.get(ENV_LOCK_DIR)),
                 backend=str(backend) if backend else None,
             )
         except (ValueError, KeyError, TypeError, AttributeError, BadValue):

@@ -68,7 +68,7 @@ class EtcdPlace:
         self.keep_lease = 0
         self.gone = False
 
-    def queue(self) -> int:
+    def queue(self, deadline: float) -> int:
         mutex = self.lk.mutex
         # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
         self.waiting_lease = self.lk.cluster.grant(WAIT_TTL)
@@ -259,6 +259,10 @@ class EtcdLock:
             grip = EtcdGrip(self.cluster, lease, adopted, ttl, kept_at=self._kept[tid], token=self._minted[tid])
             return EtcdPlace(self, ticket, lease, grip)
         return EtcdPlace(self, ticket, lease, None, kv=adopted)
+
+    def cancel_holder(self, ticket: Ticket) -> float | None:
+        """Not yet on etcd: an opted-in holder there is left alone, as one that did not opt in."""
+        return None
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
         """The key is first in line and its token's hash is in it since it joined: nothing to
@@ -611,7 +615,14 @@ class EtcdBackend:
             name, _, kind = kv["key"][len(f"{self.cluster.root}{repo}/@") :].partition("/")
             if kind.startswith("q/"):
                 found.add(name)
-        return [EtcdLock(self, repo, name).status() for name in sorted(found)]
+        out = []
+        for name in sorted(found):
+            lk = EtcdLock(self, repo, name)
+            try:
+                out.append(lk.status())
+            finally:
+                lk.close()  # its token files' directories: a server lives for days
+        return out
 
     def verify(self, claim: Claim) -> Verdict:
         if not claim.ticket_id:

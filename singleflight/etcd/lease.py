@@ -297,6 +297,9 @@ class EtcdLease:
                 if self.waiting_lease and not self.settled:
                     self.cluster.keepalive(self.waiting_lease)
 
+    def prepare_request(self, window: float) -> None:
+        """A cluster does not run out of disk under one run: nothing to prepare."""
+
     def record_request(self, status: int | None, window: float) -> None:
         with contextlib.suppress(BackendUnavailable):
             record = RequestRecord.finished(self.ticket, status, window)

@@ -19,10 +19,13 @@ from singleflight.core.const import (
     CLAIM_BUSY,
     CLAIM_DONE,
     CLAIM_RUN,
+    DEFAULT_KILL_GRACE,
     EXPIRED,
     HELD,
+    QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
+    SUPERSEDED,
     WAITING,
 )
 from singleflight.core.errors import NotHeld, UnknownTicket
@@ -68,14 +71,32 @@ class LocalPlace:
         self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
         self.waiter: queue.Waiter | None = None
 
-    def queue(self) -> int:
+    def queue(self, deadline: float) -> int:
         store = self.lk.store
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
+        superseded: list[Ticket] = []
         with store.mutex():
-            self.waiter.enqueue()
+            if self.ticket.queue_mode == QUEUE_LATEST:
+                superseded = self._supersede()
+            place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
+            self.waiter.enqueue(deadline, seq=place or None)
             if store.read_ticket(self.ticket.ticket_id) is None:
                 store.write_ticket(self.ticket)
+        for t in superseded:
+            lease.poke(t)  # its waiter re-reads its ticket at once and leaves busy
         return self.waiter.position()
+
+    def _supersede(self) -> list[Ticket]:
+        """Cancel the older ``latest`` waiters of this lock. Caller holds the mutex."""
+        store, me, now = self.lk.store, self.ticket.ticket_id, time.time()
+        out = []
+        for t in store.tickets():
+            if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me:
+                t.state, t.end_reason, t.ended_at = CANCELLED, f"{SUPERSEDED}{me}", now
+                t.superseded_by = me
+                store.write_ticket(t)
+                out.append(t)
+        return out
 
     def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
         assert self.waiter is not None
@@ -112,6 +133,8 @@ class LocalLease:
     def check(self) -> str | None:
         with self.store.mutex():
             t = self.store.read_ticket(self.ticket.ticket_id)
+        if t is not None and t.state == HELD and t.superseded_by:
+            return f"{SUPERSEDED}{t.superseded_by}"
         if t is None or t.state != HELD:
             return RELEASED if t is not None and t.state == RELEASED else f"ticket {t.state if t else 'vanished'}"
         self.ticket = t
@@ -120,8 +143,29 @@ class LocalLease:
     def end(self, state: str, reason: str) -> None:
         lease.end(self.store, self.ticket.ticket_id, state, reason)
 
+    def prepare_request(self, window: float) -> None:
+        # The success record is written (and fsynced) now, while there is room, so a
+        # success at the end only renames it into place: a disk that filled up while
+        # COMMAND ran cannot make a finished request look unfinished and run it twice.
+        # Its dedupe window therefore counts from the start of the run.
+        record = RequestRecord.finished(self.ticket, 0, window)
+        record.finished_at = None
+        self.store.sub("requests").write_atomic(self._prepared, record.to_json(), durable=True)
+
+    @property
+    def _prepared(self) -> str:
+        return f".{self.ticket.request_uuid}.succeeded"
+
     def record_request(self, status: int | None, window: float) -> None:
-        self.store.write_request(self.ticket.request_uuid, RequestRecord.finished(self.ticket, status, window))
+        requests, uuid = self.store.sub("requests"), self.ticket.request_uuid
+        try:
+            if status == 0 and requests.lstat(self._prepared) is not None:
+                requests.rename(self._prepared, f"{uuid}.json")
+                requests.fsync()
+                return
+            self.store.write_request(uuid, RequestRecord.finished(self.ticket, status, window))
+        finally:
+            requests.unlink(self._prepared)
 
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
@@ -206,6 +250,21 @@ class LocalLock:
             # Free for a moment, but others are in line: they go first.
             fcntl.flock(fd, fcntl.LOCK_UN)
         return LocalPlace(self, ticket, fd, None)
+
+    def cancel_holder(self, ticket: Ticket) -> float | None:
+        store = self.store
+        with store.mutex():
+            holder_id = store.read_pointer("holder")
+            h = store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
+            if h is None or h.state != HELD or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id:
+                return None
+            if not proc.alive(h.holder_pid, h.holder_start):
+                return None
+            if not h.superseded_by:
+                h.superseded_by = ticket.ticket_id
+                store.write_ticket(h)
+        lease.poke(h)  # its holder checks its ticket now: token dead, COMMAND stopped, lock released
+        return h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE
 
     def take(self, grip: FlockGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[LocalLease, Taken]:
         token = lease.take_ownership(self.store, ticket, promoted=promoted)

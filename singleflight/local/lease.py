@@ -30,21 +30,30 @@ def guard_exclusive(store: LockStore) -> Iterator[None]:
         os.close(fd)
 
 
-def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> None:
-    """Mark the previous holder's ticket expired if it died holding (kill -9).
+def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> int:
+    """Mark the previous holder's ticket expired if it died holding (kill -9); return the
+    highest fence among the tickets looked at (0 if none), which the next fence must exceed.
 
     Caller holds the flock and the mutex; holding the flock proves that holder
     is gone, since the kernel frees it only then. Only the ``holder`` pointer is
-    read, not every ticket: this runs on every hand-over.
+    read, not every ticket: this runs on every hand-over. Without a usable pointer
+    (none yet, or garbage: it is only a hint) every live ticket is looked at instead.
     """
     previous = store.read_pointer("holder")
-    if previous and previous != new_ticket_id:
-        t = store.read_ticket(previous)
-        if t is not None and t.state == HELD:
+    if previous is not None:
+        t = store.read_ticket(previous) if previous != new_ticket_id else None
+        candidates = [t] if t is not None else []
+    else:
+        candidates = store.tickets()
+    floor = 0
+    for t in candidates:
+        floor = max(floor, t.fence or 0)
+        if t.state == HELD and t.ticket_id != new_ticket_id:
             t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", time.time()
             store.write_ticket(t)
             # Its token file too: a raw token stays on disk only while its ticket is held.
-            store.tokens.remove(previous)
+            store.tokens.remove(t.ticket_id)
+    return floor
 
 
 def sweep_dead_waiters(store: LockStore) -> int:
@@ -88,10 +97,12 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
     with guard_exclusive(store):
         pass
     with store.mutex():
-        sweep_previous_holder(store, ticket.ticket_id)
+        # A fence file rolled back (restored from a backup, rewritten by hand) must not
+        # reissue the last holder's fence: that holder's record is read here anyway.
+        floor = sweep_previous_holder(store, ticket.ticket_id)
         # The pointer goes first: a kill right after it names a ticket that is not held.
         store.write_pointer("holder", ticket.ticket_id)
-        fence = store.bump_fence()
+        fence = store.bump_fence(floor)
         token = mint_token()
         ticket.state = HELD
         ticket.fence = fence

@@ -83,18 +83,49 @@ def try_flock(fd: int) -> bool:
     return True
 
 
+_ASCII_DIGITS = frozenset("0123456789")
+
+
 def _entries(qdir: Dir) -> list[str]:
-    return sorted(n for n in qdir.listdir() if n[:1].isdigit())
+    """Queue entries, ``SEQ.TICKET`` with SEQ 20 ASCII digits; any other name is not ours."""
+    return sorted(n for n in qdir.listdir() if len(n) > 21 and n[20] == "." and set(n[:20]) <= _ASCII_DIGITS)
 
 
 def _seq(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def seq_of(store: LockStore, ticket_id: str) -> int | None:
+    """The place in line of a ticket's entry, if it has one."""
+    for name in _entries(store.sub("queue")):
+        if name.endswith("." + ticket_id):
+            return _seq(name)
+    return None
+
+
+def _deadline_of(qdir: Dir, name: str) -> float | None:
+    """The monotonic deadline a waiter wrote into its entry (None: unknown, e.g. being written)."""
+    try:
+        data = qdir.read(name)
+    except FileNotFoundError:
+        return None
+    text = data.decode("ascii", "replace").strip() if data else ""
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def _stale(deadline: float | None, now: float) -> bool:
+    """A waiter past its own deadline (stopped with ^Z, frozen) keeps no place in line."""
+    return deadline is not None and deadline <= now
+
+
 def live_entries(store: LockStore) -> list[str]:
-    """Queue entries whose waiter is alive; dead ones are swept on the way."""
+    """Queue entries whose waiter is alive and within its deadline; dead ones are swept."""
     qdir = store.sub("queue")
     live = []
+    now = time.monotonic()
     for name in _entries(qdir):
         try:
             fd = qdir.open(name, os.O_RDWR)
@@ -103,7 +134,7 @@ def live_entries(store: LockStore) -> list[str]:
         try:
             if try_flock(fd):
                 qdir.unlink(name)  # its waiter died (kill -9) before leaving
-            else:
+            elif not _stale(_deadline_of(qdir, name), now):
                 live.append(name)
         finally:
             os.close(fd)
@@ -111,7 +142,13 @@ def live_entries(store: LockStore) -> list[str]:
 
 
 class Waiter:
-    """One place in the queue, held for as long as this object's fd is open."""
+    """One place in the queue, held for as long as this object's fd is open.
+
+    The entry holds the waiter's deadline (CLOCK_MONOTONIC, shared by every process
+    of the host): a waiter suspended past it is skipped by the ones behind, and once
+    resumed it leaves without taking the lock. No waiter can block the line for
+    longer than its own wait.
+    """
 
     def __init__(self, store: LockStore, ticket_id: str) -> None:
         self.store, self.ticket_id = store, ticket_id
@@ -119,28 +156,51 @@ class Waiter:
         self.name: str | None = None
         self.fd = -1
         self.seq = 0
+        self.published: float | None = None
 
-    def enqueue(self) -> int:
-        """Take the next place in line. Caller holds ``store.mutex()``."""
+    def enqueue(self, deadline: float, *, seq: int | None = None) -> int:
+        """Take the next place in line, or place ``seq`` (a superseded waiter's). Caller holds
+        ``store.mutex()``."""
         names = _entries(self.qdir)
         counter = self.qdir.read(_SEQ_FILE)
         last = max([_seq(names[-1])] if names else [0])
-        if counter and counter.strip().isdigit():
-            last = max(last, int(counter))
-        self.seq = last + 1
+        text = counter.strip() if counter else b""
+        # ASCII digits that fit the 20-digit entry names; anything else is no counter at all
+        # (int() of thousands of digits raises, and longer names would break the FIFO order).
+        if text and len(text) <= 19 and all(48 <= c <= 57 for c in text):
+            last = max(last, int(text))
+        self.seq = seq if seq is not None else last + 1
         name = f"{self.seq:020d}.{self.ticket_id}"
         tmp = f".new.{self.ticket_id}"
         fd = self.qdir.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         # Lock before the entry becomes visible, so nobody can take it for dead.
         fcntl.flock(fd, fcntl.LOCK_EX)
+        self.fd = fd
+        self._publish(deadline)
         self.qdir.rename(tmp, name)
-        self.qdir.write_atomic(_SEQ_FILE, f"{self.seq}\n".encode(), durable=False)
-        self.fd, self.name = fd, name
+        self.qdir.write_atomic(_SEQ_FILE, f"{max(self.seq, last)}\n".encode(), durable=False)
+        self.name = name
         return self.seq
+
+    def _publish(self, deadline: float) -> None:
+        # Fixed width, written in place: a reader sees the old or the new number (a
+        # half-written one does not parse, and an unknown deadline means "still waiting").
+        os.pwrite(self.fd, f"{deadline:<40.6f}\n".encode(), 0)
+        self.published = deadline
 
     def position(self) -> int:
         assert self.name is not None
-        return sum(1 for n in _entries(self.qdir) if n < self.name) + 1
+        now = time.monotonic()
+        return sum(1 for n in _entries(self.qdir) if n < self.name and not _stale(_deadline_of(self.qdir, n), now)) + 1
+
+    def _predecessor(self, now: float) -> tuple[str, float | None] | None:
+        """The nearest entry ahead whose waiter is still within its deadline."""
+        assert self.name is not None
+        for name in reversed([n for n in _entries(self.qdir) if n < self.name]):
+            d = _deadline_of(self.qdir, name)
+            if not _stale(d, now):
+                return name, d
+        return None
 
     def wait(self, lock_fd: int, deadline: Callable[[], float]) -> bool:
         """Block until this waiter holds ``lock_fd`` (True) or ``deadline()`` passes.
@@ -150,26 +210,33 @@ class Waiter:
         """
         assert self.name is not None
         while True:
-            ahead = [n for n in _entries(self.qdir) if n < self.name]
-            if not ahead:
-                if flock_until(lock_fd, deadline()):
-                    return True
-            else:
-                pred = ahead[-1]
-                try:
-                    fd = self.qdir.open(pred, os.O_RDWR)
-                except FileNotFoundError:
-                    continue
-                try:
-                    if flock_until(fd, deadline()):
-                        # Its waiter is gone; a live one unlinks before closing,
-                        # so a name still here belongs to a killed waiter.
-                        self.qdir.unlink(pred)
-                        continue
-                finally:
-                    os.close(fd)
-            if time.monotonic() >= deadline():
+            mine = deadline()
+            now = time.monotonic()
+            if now >= mine:
                 return False
+            if mine != self.published:
+                self._publish(mine)
+            pred = self._predecessor(now)
+            if pred is None:
+                if flock_until(lock_fd, mine):
+                    if time.monotonic() > deadline():
+                        # Resumed after our deadline (a ^Z, a frozen VM): the lock is not ours to take.
+                        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                        return False
+                    return True
+                continue
+            name, theirs = pred
+            try:
+                fd = self.qdir.open(name, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                if flock_until(fd, min(mine, theirs if theirs is not None else mine)):
+                    # Its waiter is gone; a live one unlinks before closing,
+                    # so a name still here belongs to a killed waiter.
+                    self.qdir.unlink(name)
+            finally:
+                os.close(fd)
 
     def leave(self) -> None:
         if self.name is not None:

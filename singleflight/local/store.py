@@ -2,12 +2,15 @@
 
 LOCK_DIR/                      0700, owned by the user, never group/world-writable
   activity/IDENTITY            the identity's current activity text
-  ledger/RESOURCE              highest fence a target accepted (pearing-guard fence)
+  ledger.json                  highest fence per resource a target accepted (pearing-guard fence)
   locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
     lock                       the kernel flock the holder keeps; never unlinked
     state.lock                 short mutex around read-modify-write of records
     guard.lock                 shared by pearing-guard exec, exclusive on expiry/release
-    fence                      last fence issued, decimal, fsynced before any token
+    holder                     the ticket id of the last holder (a hint for sweeping it)
+    fence                      last fence issued, decimal, fsynced before any token;
+                               if missing, the next continues above every record's fence
+    success                    the last successful start (--min-interval), with its fence
     tickets/ID.json            ticket records (token only as a sha256)
     tokens/ID.token            0600 JSON token file, only while held
     queue/SEQ.ID               FIFO entries, each flocked by its live waiter
@@ -18,16 +21,17 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from singleflight.core import fault
-from singleflight.core.const import ENDED_TICKET_RETENTION
-from singleflight.core.errors import CorruptRecord
+from singleflight.core import fault, names
+from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE
+from singleflight.core.errors import BadValue, CorruptRecord
 from singleflight.core.fs import Dir, lock_parts, parse_int_record
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.ticket import RequestRecord, Ticket, loads
 from singleflight.core.tokens import TokenFiles
 
 
@@ -62,6 +66,8 @@ class LockDir:
             d, segs = stack.pop()
             try:
                 for name in sorted(d.listdir(), reverse=True):
+                    if not _made_by_us(name, segs):
+                        continue  # not a name this tool creates: someone else's file, never a lock
                     if name.startswith("@"):
                         if want is not None and segs != want:
                             continue
@@ -87,10 +93,12 @@ class LockDir:
         if data is None:
             return None
         try:
-            text = json.loads(data)["activity"]
+            text = loads(data)["activity"]
+            if text is not None and not isinstance(text, str):
+                raise TypeError("activity is not text")
         except (ValueError, KeyError, TypeError):
             raise CorruptRecord(d.child_path(identity), "not an activity record") from None
-        return str(text) if text is not None else None
+        return text
 
     def write_activity(self, identity: str, text: str | None) -> None:
         with self.activity_dir() as d:
@@ -98,6 +106,18 @@ class LockDir:
                 d.unlink(identity)
             else:
                 d.write_atomic(identity, json.dumps({"activity": text, "at": time.time()}).encode(), durable=False)
+
+
+def _made_by_us(name: str, segs: list[str]) -> bool:
+    """Is ``name`` in locks/SEGS/ a scope segment or an @LOCK dir this tool could have made?"""
+    try:
+        if name.startswith("@"):
+            names.lock_name(name[1:])
+            return bool(segs)
+        names.scope("/".join([*segs, name]))
+    except BadValue:
+        return False
+    return True
 
 
 class LockStore:
@@ -144,8 +164,19 @@ class LockStore:
             os.close(fd)
 
     def read_pointer(self, name: str) -> str | None:
+        """The ticket id a pointer file names, or None when there is none.
+
+        A pointer is only a hint (``holder``: whom to sweep on the next take-over), so one
+        that holds anything but a ticket id (garbage, a path, a NUL) is ignored, never used
+        as a file name; the caller falls back to scanning the live tickets.
+        """
         data = self.dir.read(name)
-        return data.decode("ascii", "replace").strip() if data else None
+        if not data:
+            return None
+        try:
+            return names.ticket_id(data.decode("ascii").strip())
+        except (UnicodeDecodeError, BadValue):
+            return None
 
     def write_pointer(self, name: str, value: str) -> None:
         self.dir.write_atomic(name, value.encode(), durable=False)
@@ -153,19 +184,49 @@ class LockStore:
     # -- fence -------------------------------------------------------------
 
     def read_fence(self) -> int:
+        """The last fence issued. Without a fence file (deleted, or never written) it is the
+        highest fence any record of this lock shows, so the next one is never lower than one
+        already handed out; a corrupt record that would tell is reported (74), not skipped."""
         data = self.dir.read("fence")
-        return 0 if data is None else parse_int_record(self.dir.child_path("fence"), data)
+        if data is None:
+            return self.highest_recorded_fence()
+        return parse_int_record(self.dir.child_path("fence"), data)
 
-    def bump_fence(self) -> int:
-        """Issue the next fence. Caller holds the lock's flock, so no one else bumps.
+    def bump_fence(self, floor: int = 0) -> int:
+        """Issue the next fence, above the fence file and above ``floor`` (a fence a record
+        shows). Caller holds the lock's flock, so no one else bumps.
 
         The new value is on disk (fsynced, renamed, dir fsynced) before it is
         returned, so no token can ever carry a fence that a crash could reissue.
         """
-        fence = self.read_fence() + 1
+        current = max(self.read_fence(), floor)
+        if current >= MAX_FENCE:
+            raise CorruptRecord(self.dir.child_path("fence"), f"holds the largest fence ({MAX_FENCE}); none can follow")
+        fence = current + 1
         self.dir.write_atomic("fence", f"{fence}\n".encode(), durable=True)
         fault.point("after-fence-bump")
         return fence
+
+    def highest_recorded_fence(self) -> int:
+        """The highest fence in tickets/, ended/ (the last holder's record is never pruned),
+        requests/ (and each one's previous run) and the success record; 0 if none shows one."""
+        highest = 0
+        # Only directories that exist: a new lock must not grow empty ones (disk per idle lock).
+        for sub in ("tickets", "ended"):
+            if self.dir.lstat(sub) is not None:
+                for t in self._records(sub):
+                    highest = max(highest, t.fence or 0)
+        names = self.sub("requests").listdir() if self.dir.lstat("requests") is not None else []
+        for name in names:
+            if name.endswith(".json") and not name.startswith("."):
+                rec = self.read_request(name[:-5])
+                while rec is not None:
+                    highest = max(highest, rec.fence or 0)
+                    rec = rec.previous
+        success = self._read_success()
+        if success is not None and success[1] is not None:
+            highest = max(highest, success[1])
+        return highest
 
     # -- tickets -----------------------------------------------------------
 
@@ -184,9 +245,16 @@ class LockStore:
 
     def _parse_ticket(self, sub: str, name: str, data: bytes) -> Ticket:
         try:
-            return Ticket.from_json(data)
+            t = Ticket.from_json(data)
+            # A record under another ticket's name, or another lock's, would make every
+            # later write land beside it: it is not this lock's record.
+            if name != f"{t.ticket_id}.json":
+                raise ValueError(f"names ticket {t.ticket_id}, not {name[:-5]!r}")
+            if (t.repo, t.lock_name) != (self.repo, self.lock):
+                raise ValueError(f"belongs to lock {t.lock_name!r} in scope {t.repo!r}")
         except (ValueError, TypeError) as exc:
             raise CorruptRecord(self.sub(sub).child_path(name), str(exc)) from None
+        return t
 
     def write_ticket(self, ticket: Ticket, *, durable: bool = False) -> None:
         name = f"{ticket.ticket_id}.json"
@@ -196,22 +264,31 @@ class LockStore:
             self.sub("ended").write_atomic(name, ticket.to_json(), durable=durable)
             self.sub("tickets").unlink(name)
 
-    def tickets(self) -> list[Ticket]:
-        """The live (waiting or held) tickets, oldest first."""
-        d = self.sub("tickets")
+    def _records(self, sub: str) -> list[Ticket]:
+        d = self.sub(sub)
         out = []
         for name in d.listdir():
             if name.endswith(".json") and not name.startswith("."):
                 data = d.read(name)
                 if data is not None:
-                    out.append(self._parse_ticket("tickets", name, data))
+                    out.append(self._parse_ticket(sub, name, data))
+        return out
+
+    def tickets(self) -> list[Ticket]:
+        """The live (waiting or held) tickets, oldest first."""
+        out = self._records("tickets")
         out.sort(key=lambda t: t.created_at or 0.0)
         return out
 
     def prune_ended(self, now: float, keep: float = ENDED_TICKET_RETENTION) -> int:
+        """Remove ended tickets older than ``keep``, except the last holder's: its fence is
+        what a lost fence file continues from."""
         d = self.sub("ended")
+        last = self.read_pointer("holder")
         removed = 0
         for name in d.listdir():
+            if last is not None and name == f"{last}.json":
+                continue
             st = d.lstat(name)
             if st is not None and st.st_mtime < now - keep:
                 removed += d.unlink(name)
@@ -219,20 +296,40 @@ class LockStore:
 
     # -- the last successful start (--min-interval) --------------------------
 
-    def read_last_success(self) -> float | None:
+    def _read_success(self) -> tuple[float, int | None] | None:
+        """(started_at, fence) of the last successful run, or None."""
         data = self.dir.read("success")
         if data is None:
             return None
         try:
-            value = json.loads(data)["started_at"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            obj = loads(data)
+            value, fence = obj["started_at"], obj.get("fence")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError("started_at is not a number")
-        except (ValueError, KeyError, TypeError) as exc:
+            if fence is not None and (
+                isinstance(fence, bool) or not isinstance(fence, int) or not 1 <= fence <= MAX_FENCE
+            ):
+                raise TypeError("fence is not a fence")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptRecord(self.dir.child_path("success"), f"not a success record: {exc}") from None
-        return float(value)
+        return float(value), fence
+
+    def read_last_success(self) -> float | None:
+        success = self._read_success()
+        return None if success is None else success[0]
 
     def write_last_success(self, started_at: float, ticket_id: str) -> None:
-        body = json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode()
+        # The fence goes along (the caller holds the lock, so the fence file is its run's):
+        # one more record a lost fence file continues above. A corrupt fence file was
+        # refused when the run took the lock, so reading it here is only a formality.
+        data = self.dir.read("fence")
+        fence = None
+        if data is not None:
+            try:
+                fence = parse_int_record(self.dir.child_path("fence"), data)
+            except CorruptRecord:
+                fence = None
+        body = json.dumps({"started_at": started_at, "ticket_id": ticket_id, "fence": fence}).encode()
         self.dir.write_atomic("success", body, durable=False)
 
     # -- token files and request records -----------------------------------

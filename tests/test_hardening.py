@@ -1,0 +1,390 @@
+"""Never two COMMANDs, never a stuck lock, under the faults a real machine or a hostile user produces.
+
+Each COMMAND logs ``start`` and ``end`` lines with CLOCK_MONOTONIC stamps (shared by every process
+of the host), so overlaps are measured, not argued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, proc_state, q, wait_for
+
+from singleflight.core.const import ExitCode
+
+INTERVAL_CMD = str(Path(__file__).with_name("interval_cmd.py"))
+
+
+def logged(log: Path, name: str, *, seconds: float = 30.0, trap: float = 0.0) -> list[str]:
+    """A COMMAND logging "NAME start T" / "NAME end T"; on SIGTERM it takes ``trap`` s to exit."""
+    return [sys.executable, INTERVAL_CMD, str(log), name, str(seconds), str(trap)]
+
+
+# Runs its arguments with fds 0-2 closed, as a daemon or a supervisor may.
+CLOSED_STDIO = ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-']
+
+
+def intervals(log: Path) -> dict[str, tuple[float, float | None]]:
+    out: dict[str, list[float | None]] = {}
+    for line in log.read_text().splitlines():
+        name, what, stamp = line.split()
+        out.setdefault(name, [None, None])[0 if what == "start" else 1] = float(stamp)
+    return {k: (v[0] or 0.0, v[1]) for k, v in out.items()}
+
+
+def started(log: Path, name: str) -> bool:
+    return log.exists() and f"{name} start" in log.read_text()
+
+
+def holder_pid(procs: Procs, job: str) -> int:
+    def find() -> int | None:
+        out = procs.run_text([PEARING_CLI, "status", job, "--json"])
+        locks = json.loads(out.stdout or "[]")
+        h = locks[0]["holder"] if locks else None
+        return int(h["holder_pid"]) if h and h.get("holder_pid") else None
+
+    return int(wait_for(find, 15, "the holder's pid in status"))
+
+
+def test_started_with_stdio_closed_the_holder_keeps_the_lock(backend: str, procs: Procs, work: Path) -> None:
+    log = work / "log"
+    # A daemon or supervisor that closes fds 0-2: the lock file must not land on them.
+    a = procs.start(
+        ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', PEARING_RUN, "--job", "c", "--", *logged(log, "A", seconds=3)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: started(log, "A"), 15, "A to start")
+    b = procs.pr_run("--job", "c", "--", *logged(log, "B", seconds=0))
+    assert b.returncode == ExitCode.BUSY, b
+    assert procs.finish(a).returncode == 0
+    assert not started(log, "B")
+    # The holder's fds are above 2 and 0-2 are /dev/null.
+    assert procs.pr_run("--job", "c", "--", "true").returncode == 0
+
+
+def test_holder_fds_live_above_2_when_stdio_was_closed(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    p = procs.start(
+        ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', PEARING_RUN, "--job", "c", "--", "sh", "-c", gate.script()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gate.wait_ready()
+    pid = holder_pid(procs, "c")
+    fds = {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+    assert all(fds[n] == "/dev/null" for n in (0, 1, 2)), fds
+    assert any(target.endswith("/@c/lock") for n, target in fds.items() if n > 2), fds
+    gate.open()
+    assert procs.finish(p).returncode == 0
+
+
+def test_a_frozen_holder_woken_after_its_lease_never_lets_two_commands_run(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    log = work / "log"
+    a = procs.pr(
+        "--job", "f", "--lease-seconds", "2", "--kill-grace", "5", "--",
+        *logged(log, "A", seconds=8, trap=2),
+    )  # fmt: skip
+    wait_for(lambda: started(log, "A"), 15, "A to start")
+    pid = holder_pid(procs, "f")
+    b = procs.pr("--job", "f", "--wait-seconds", "40", "--", *logged(log, "B", seconds=0))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frozen_until = time.monotonic() + 4.0  # twice the lease
+        wait_for(lambda: time.monotonic() >= frozen_until, 10, "the holder to stay frozen past its lease")
+        assert not started(log, "B"), "B started while A's holder was frozen"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    ra, rb = procs.finish(a, timeout=60), procs.finish(b, timeout=60)
+    assert rb.returncode == 0, rb
+    spans = intervals(log)
+    a_end = spans["A"][1]
+    assert a_end is not None and spans["B"][0] >= a_end, spans
+    if backend == "local":
+        # Woken past its lease, the holder loses it the proper way: TERM, grace, then release.
+        assert ra.returncode == ExitCode.LEASE_LOST, ra
+    else:
+        # The wrapper kept the etcd lease alive: the lease was never lost.
+        assert ra.returncode in (0, ExitCode.LEASE_LOST), ra
+
+
+def test_a_killed_holder_frees_the_lock_only_after_command_is_dead(backend: str, procs: Procs, work: Path) -> None:
+    log = work / "log"
+    a = procs.pr("--job", "k", "--kill-grace", "5", "--", *logged(log, "A", trap=2))
+    wait_for(lambda: started(log, "A"), 15, "A to start")
+    pid = holder_pid(procs, "k")
+    b = procs.pr("--job", "k", "--wait-seconds", "40", "--", *logged(log, "B", seconds=0))
+    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "k", "--json"]).json[0]["waiters"], 15, "B to queue")
+    os.kill(pid, signal.SIGKILL)
+    assert procs.finish(a, timeout=60).returncode == ExitCode.LEASE_LOST
+    assert procs.finish(b, timeout=60).returncode == 0
+    spans = intervals(log)
+    a_end = spans["A"][1]
+    assert a_end is not None and spans["B"][0] >= a_end, spans
+
+
+def test_the_longest_lease_is_honoured(backend: str, procs: Procs) -> None:
+    """2592000 s (30 days) is 2^31 ms past what poll() takes: clamped timers, not a crash."""
+    r = procs.pr_run("--job", "long", "--lease-seconds", "2592000", "--heartbeat", "manual", "--", "sleep", "1")
+    assert r.returncode == 0, r
+    ten_years = str(10 * 365 * 86400)
+    t = procs.run_text([PEARING_CLI, "acquire-lock", "long", "--request-uuid", str(uuid.uuid4()),
+                        "--lease-seconds", ten_years])  # fmt: skip
+    assert t.returncode == 0 and t.json["state"] == "held", t
+    status = procs.run_text([PEARING_CLI, "status", "long", "--json"]).json
+    assert status[0]["state"] == "held" and status[0]["holder"]["ticket_id"] == t.json["ticket_id"]
+    busy = procs.run_text([PEARING_CLI, "acquire-lock", "long", "--request-uuid", str(uuid.uuid4())])
+    assert busy.returncode == ExitCode.BUSY, busy
+    assert procs.run_text([PEARING_CLI, "release-lock-ticket", "long", busy.json["ticket_id"]]).returncode == 0
+    assert procs.run_text([PEARING_CLI, "release-lock-ticket", "long", t.json["ticket_id"]]).returncode == 0
+
+
+def test_a_suspended_waiter_keeps_its_place_only_until_its_own_deadline(procs: Procs, work: Path) -> None:
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", "w", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    w1 = procs.pr("--job", "w", "--wait-seconds", "2", "--", *logged(log, "W1", seconds=0))
+    wait_for(lambda: len(procs.run_text([PEARING_CLI, "status", "w", "--json"]).json[0]["waiters"]) == 1, 15, "W1")
+    os.kill(w1.pid, signal.SIGSTOP)  # ^Z
+    try:
+        w2 = procs.pr("--job", "w", "--wait-seconds", "30", "--", *logged(log, "W2", seconds=0))
+        gate.open()
+        assert procs.finish(holder).returncode == 0
+        # W2 runs once W1's own deadline (2 s) has passed, far before its own 30 s.
+        r2 = procs.finish(w2, timeout=40)
+        assert r2.returncode == 0 and r2.elapsed < 15, r2
+    finally:
+        os.kill(w1.pid, signal.SIGCONT)
+    r1 = procs.finish(w1, timeout=30)
+    assert r1.returncode == ExitCode.BUSY, r1
+    assert not started(log, "W1")
+
+
+def test_a_resumed_late_waiter_never_takes_a_free_lock(procs: Procs, work: Path) -> None:
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", "r", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    launched = time.monotonic()
+    w1 = procs.pr("--job", "r", "--wait-seconds", "3", "--", *logged(log, "W1", seconds=0))
+    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "r", "--json"]).json[0]["waiters"], 15, "W1 to queue")
+    os.kill(w1.pid, signal.SIGSTOP)
+    try:
+        gate.open()
+        assert procs.finish(holder).returncode == 0
+        past = launched + 4.0
+        wait_for(lambda: time.monotonic() >= past, 10, "W1's deadline to pass while it is stopped")
+    finally:
+        os.kill(w1.pid, signal.SIGCONT)
+    assert procs.finish(w1).returncode == ExitCode.BUSY
+    assert not started(log, "W1")
+    assert procs.pr_run("--job", "r", "--", "true").returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Path:
+    """A 512 KiB tmpfs: a COMMAND can fill it. Needs root (CI and this project's machines run as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0755", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_success_is_never_replayed_even_if_the_disk_fills_during_the_run(
+    procs: Procs, small_fs: Path, work: Path
+) -> None:
+    env = dict(procs.env, PEARING_LOCK_DIR=str(small_fs / "lockdir"))
+    request = str(uuid.uuid4())
+    fill = f"dd if=/dev/zero of={q(small_fs / 'filler')} bs=4k 2>/dev/null; echo ran >> {q(work / 'ran')}; exit 0"
+    r = procs.pr_run("--job", "d", "--request-uuid", request, "--", "sh", "-c", fill, env=env)
+    full = (small_fs / "filler").stat().st_size
+    assert full > 0
+    # Either the success was recorded (exit 0), or pearing-run says it could not be: never a silent 0.
+    if r.returncode == 0:
+        replay = procs.pr_run("--job", "d", "--request-uuid", request, "--", "sh", "-c", fill, env=env)
+        assert replay.returncode == 0, replay
+        assert (work / "ran").read_text() == "ran\n", "a successful run was replayed"
+    else:
+        assert r.returncode in (ExitCode.CANTCREAT, ExitCode.IOERR), r
+        assert len(r.err_lines) == 1 and "lockdir" in r.err_lines[0], r
+    with contextlib.suppress(FileNotFoundError):
+        (small_fs / "filler").unlink()
+
+
+def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work: Path) -> None:
+    gate = Gate(work)
+    holder = procs.pr("--job", "u", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    request = str(uuid.uuid4())
+    args = [PEARING_CLI, "acquire-lock", "u", "--request-uuid", request, "--lease-seconds", "3"]
+    first = procs.run_text(args)
+    assert first.returncode == ExitCode.BUSY, first
+    # Retries every 1.5 s for 7.5 s, well past the 3 s lease: each renews the waiting ticket.
+    for _ in range(5):
+        until = time.monotonic() + 1.5
+        wait_for(lambda u=until: time.monotonic() >= u, 5, "the next retry")
+        retry = procs.run_text(args)
+        assert retry.returncode == ExitCode.BUSY and retry.json["ticket_id"] == first.json["ticket_id"], retry
+        assert retry.json["state"] == "waiting", retry
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    held = procs.run_text([*args[:-2], "--lease-seconds", "3", "--wait-seconds", "10"])
+    assert held.returncode == 0 and held.json["state"] == "held", held
+    assert procs.run_text([PEARING_CLI, "release-lock-ticket", "u", held.json["ticket_id"]]).returncode == 0
+
+
+class Pty:
+    """pearing-run as the foreground job of a terminal, as when typed in a shell."""
+
+    def __init__(self, procs: Procs, *args: str) -> None:
+        pid, self.master = pty.fork()
+        if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+            try:
+                os.execve(PEARING_RUN, [PEARING_RUN, *args], procs.env)
+            finally:
+                os._exit(127)
+        self.pid, self.out = pid, b""
+
+    def expect(self, text: bytes, timeout: float = 15.0) -> None:
+        def seen() -> bool:
+            if select.select([self.master], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    self.out += os.read(self.master, 4096)
+            return text in self.out
+
+        wait_for(seen, timeout, f"{text!r} on the terminal (so far {self.out!r})")
+
+    def command_in_foreground(self) -> None:
+        """COMMAND's group owns the terminal now (pearing-run gave it right after the spawn)."""
+        wait_for(lambda: os.tcgetpgrp(self.master) != self.pid, 10, "COMMAND's group to get the terminal")
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        done = wait_for(lambda: (r := os.waitpid(self.pid, os.WNOHANG))[0] and r, timeout, "pearing-run to exit")
+        os.close(self.master)
+        return os.waitstatus_to_exitcode(done[1])
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(self.master)
+
+
+@pytest.fixture
+def term(procs: Procs) -> Iterator[Callable[..., Pty]]:
+    made: list[Pty] = []
+
+    def start(*args: str) -> Pty:
+        made.append(Pty(procs, *args))
+        return made[-1]
+
+    yield start
+    for t in made:
+        t.close()
+
+
+def test_an_interactive_command_reads_the_terminal(term: Callable[..., Pty]) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", 'echo ready; read a; echo "got $a"')
+    t.expect(b"ready")
+    t.send(b"hello\n")
+    t.expect(b"got hello")
+    assert t.wait() == 0
+
+
+def test_ctrl_c_reaches_the_command(term: Callable[..., Pty]) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", "echo ready; exec sleep 30")
+    t.expect(b"ready")
+    t.command_in_foreground()
+    t.send(b"\x03")
+    assert t.wait() == 128 + signal.SIGINT
+
+
+def test_ctrl_z_stops_the_job_and_fg_continues_it(term: Callable[..., Pty], procs: Procs) -> None:
+    t = term("--job", "tty", "--", "sh", "-c", 'echo ready; read a; echo "got $a"')
+    t.expect(b"ready")
+    t.command_in_foreground()
+    t.send(b"\x1a")
+    # As a shell sees it: its job (pearing-run's process group) is stopped.
+    wait_for(lambda: proc_state(t.pid) == "T", 10, "pearing-run to stop with its COMMAND")
+    os.kill(t.pid, signal.SIGCONT)  # what `fg` does
+    wait_for(lambda: proc_state(t.pid) != "T", 10, "pearing-run to continue")
+    t.send(b"again\n")
+    t.expect(b"got again")
+    assert t.wait() == 0
+    # The lock was held throughout and is free again.
+    assert procs.pr_run("--job", "tty", "--", "true").returncode == 0
+
+
+def _stopped(pid: int) -> bool:
+    return proc_state(pid) == "T"
+
+
+def test_guard_exec_forwards_a_signal_that_lands_between_spawn_and_handlers(procs: Procs, work: Path) -> None:
+    """SIGTERM while pearing-guard exec sits right after spawning CMD (paused there by a test-only
+    fault point): the signal waits for the handlers and reaches CMD; it used to kill the guard
+    alone and orphan CMD."""
+    gate = Gate(work)
+    holder = procs.pr("--job", "g", "--", "sh", "-c", f"echo $PEARING_TOKEN_FILE > {q(work / 'tf')}; {gate.script()}")
+    gate.wait_ready()
+    env = dict(procs.env, PEARING_TOKEN_FILE=(work / "tf").read_text().strip(), PEARING_FAULT="pause-guard-spawned")
+    pidfile = work / "cmd.pid"
+    guard = procs.start([PEARING_GUARD, "exec", "--", "sh", "-c", f"echo $$ > {q(pidfile)}; exec sleep 30"], env=env)
+    wait_for(lambda: _stopped(guard.pid), 15, "the guard to pause right after the spawn")
+    cmd = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 15, "CMD's pid"))
+    os.kill(guard.pid, signal.SIGTERM)
+    os.kill(guard.pid, signal.SIGCONT)
+    r = procs.finish(guard)
+    assert r.returncode == 128 + signal.SIGTERM, r  # CMD got the TERM and the guard reports it
+    wait_for(lambda: proc_state(cmd) in (None, "Z"), 5, "CMD to be gone")
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+
+
+def test_a_stop_signal_that_lands_before_the_holder_is_ready_ends_the_lease(procs: Procs, work: Path) -> None:
+    """SIGTERM to the holder right after the fork (paused there): it waits for the holder's
+    handlers and ends the lease; it used to run the wrapper's inherited handler and be lost."""
+    env = dict(procs.env, PEARING_FAULT="pause-holder-start")
+    wrapper = procs.pr("--job", "h", "--", "sh", "-c", f"touch {q(work / 'ran')}; sleep 30", env=env)
+
+    def paused_holder() -> int | None:
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    data = Path(f"/proc/{name}/stat").read_bytes()
+                    fields = data[data.rindex(b")") + 2 :].split()
+                    if int(fields[1]) == wrapper.pid and fields[0] == b"T":
+                        return int(name)
+        return None
+
+    pid = int(wait_for(paused_holder, 15, "the forked holder to pause"))
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGCONT)
+    r = procs.finish(wrapper, timeout=60)
+    assert r.returncode == ExitCode.LEASE_LOST, r
+    # COMMAND (sleep 30) either never started or was stopped: it did not run to its end.
+    assert r.elapsed < 20, r
+    assert procs.pr_run("--job", "h", "--", "true").returncode == 0

@@ -1,0 +1,1204 @@
+"""Nemesis: a seeded random fault campaign against pearing-run, in the spirit of Jepsen.
+
+A round keeps 8-12 contenders of one job alive (about 50 runs in NEMESIS_SECONDS), each
+``pearing-run --lease-seconds L --wait-seconds W --kill-grace G [--heartbeat manual] --
+nemesis_command.py run ...`` with short leases and waits, while a nemesis signals the
+processes of the runs at random moments. Every COMMAND appends ``start``/``end`` lines
+(fence, CLOCK_MONOTONIC ns, pid) to one log; guarded side effects append ``write``
+lines. A watcher thread learns each COMMAND's pid from its start line and holds a pidfd
+on it, so a COMMAND killed without an ``end`` line ends when the kernel says it died.
+At the end of a round everything still alive is killed (the final fault), and a fresh
+run must get the lock within lease + kill grace + 1 s (on etcd at least 5 s, the SPEC's bound
+for a killed waiter).
+
+The checker then asserts, over the log (SPEC "Bad input and faults"):
+
+- no two COMMAND intervals ``[start, end line or death]`` overlap (no end line: until the
+  watcher saw the process die, which is never earlier than it did);
+- fences strictly increase in start order and are never issued twice;
+- a write through ``pearing-guard exec`` carries the fence of the holder at that moment:
+  no COMMAND with a larger fence has started before it lands (one that lands after its own
+  COMMAND died but before anyone newer started is counted as ``trailing``: the guard's
+  hold-off still covers it); writes accepted by ``pearing-guard fence`` (checked and
+  written atomically at the target) land in non-decreasing fence order;
+- every pearing-run exits with a documented code (see ``check_exits``);
+- the queue never stalls: while no COMMAND runs and a waiter waits, the lock sits idle at
+  most that same bound, counted from the latest of: the lock going idle, the wait deadline
+  of each frozen waiter ahead (SPEC: a ^Z waiter keeps its place only until then), the last
+  killed waiter; a frozen wrapper, holder or COMMAND excuses it (their run holds the lock);
+- the lock is free within the bound after the final fault: a fresh run's COMMAND starts.
+
+Faults (NEMESIS_FAULTS, comma-separated, or ``all``):
+
+    kill-wrapper  stop-wrapper    the pearing-run of the run holding the lock
+    kill-holder   stop-holder     its detached holder process
+    kill-waiter   stop-waiter     a pearing-run waiting in line
+    kill-command  kill-command-group  stop-command    COMMAND (its pid / its process group)
+    closed-stdio      a share of the contenders start with fds 0-2 closed
+    manual-heartbeat  a share of the contenders run --heartbeat manual, heartbeating every lease/3
+    hang-heartbeat    a share of those stop heartbeating (a hung agent; implies manual-heartbeat)
+
+A ``stop-*`` fault sends SIGSTOP and, after a pause drawn around the lease (sometimes
+well past it), SIGCONT. By default a round runs every kind except those in KNOWN_BUGS for
+its backend: each of those has a focused reproduction below, marked xfail(strict=True).
+``NEMESIS_FAULTS=all`` brings them back (and the round fails, naming seed and faults).
+
+How the holder is found: it is the child pearing-run forks that calls setsid(), so among
+the wrapper's children (/proc/PID/task/PID/children) it is the one whose session id is its
+own pid; COMMAND, the other child, keeps the wrapper's session and only leads its own
+process group. It is recorded as (pid, start time) while the wrapper lives, so it is found
+even after a kill -9 of the wrapper reparents it, and every signal goes through a pidfd
+after re-checking the start time (helpers.kill_exact): a reused pid is never hit.
+
+Environment: NEMESIS_SEED (default below; printed in every summary and failure),
+NEMESIS_SECONDS (storm length of a round, default 45), PEARING_SOAK_SECONDS (run rounds
+with seeds SEED, SEED+1, ... for that long instead of one round). Run with ``-s`` to see
+one ``NEMESIS`` summary line per round.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nemesis_command
+import pytest
+from etcd_cluster import Cluster
+from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, ticket_records, wait_for
+
+from singleflight.core import proc as _proc
+from singleflight.core.const import ENV_BACKEND, ExitCode
+
+SEED = int(os.environ.get("NEMESIS_SEED", "20260214"))
+STORM_SECONDS = float(os.environ.get("NEMESIS_SECONDS", "45"))
+SOAK_SECONDS = float(os.environ.get("PEARING_SOAK_SECONDS", "0"))
+COMMAND = str(Path(__file__).with_name("nemesis_command.py"))
+PROBE = 9999  # the contender id of the run that checks the lock is free after the final fault
+
+SIGNALLED = ("wrapper", "holder", "waiter")
+FAULTS = (
+    *(f"{verb}-{who}" for who in SIGNALLED for verb in ("kill", "stop")),
+    "kill-command",
+    "kill-command-group",
+    "stop-command",
+    "closed-stdio",
+    "manual-heartbeat",
+    "hang-heartbeat",
+)
+WORKLOAD = ("closed-stdio", "manual-heartbeat", "hang-heartbeat")  # how contenders start, not signals
+# Fault kinds that break an invariant today, per backend, with the tests that show each alone.
+# A default round leaves them out; when a fix lands, delete the entry and the xfail marker.
+KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "local": {
+        # pearing-guard exec's CMD runs in a process group of its own: a kill -9 of COMMAND's
+        # group kills the guard (and its hold-off) but not CMD, whose write may land late.
+        "kill-command-group": ("test_group_kill_mid_guarded_write_holds_off_the_hand_over",),
+    },
+    "etcd": {
+        # Seed 20260214 (49 s round): a holder frozen 3.25 s past its 3 s lease, and the next
+        # run started while its COMMAND still ran (1.7 s overlap). Not reproduced alone every
+        # time, so its reproduction is a non-strict xfail on etcd.
+        "stop-holder": ("test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead",),
+    },
+}
+
+
+def fault_kinds(backend: str) -> tuple[list[str], list[str]]:
+    """(kinds this round injects, known-bug kinds it leaves out) from NEMESIS_FAULTS."""
+    raw = os.environ.get("NEMESIS_FAULTS", "").strip()
+    if raw == "all":
+        return list(FAULTS), []
+    if raw:
+        kinds = [k.strip() for k in raw.split(",") if k.strip()]
+        unknown = sorted(set(kinds) - set(FAULTS))
+        assert not unknown, f"NEMESIS_FAULTS: unknown kinds {unknown}; known: {', '.join(FAULTS)}"
+        return kinds, []
+    known = KNOWN_BUGS[backend]
+    return [k for k in FAULTS if k not in known], sorted(known)
+
+
+# -- /proc ----------------------------------------------------------------------------------
+
+
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2 :].split()
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def find_holder(wrapper: int, marks: tuple[str, ...]) -> tuple[int, int] | None:
+    """The detached holder of ``wrapper``: (pid, start time), or None (not forked yet, or gone).
+
+    While the wrapper lives: its child that leads its own session. Once the wrapper is gone
+    the holder is reparented, so then any process that leads its own session and carries
+    the run's ``--job``/``--identity`` words (``marks``) in its command line.
+    """
+    candidates = children(wrapper) if pid_alive(wrapper) else _by_cmdline(marks, wrapper)
+    for pid in candidates:
+        f = stat_fields(pid)
+        if f is None or f[0] in (b"Z", b"X") or int(f[3]) != pid:
+            continue
+        start = _proc.start_time(pid)
+        if start is not None:
+            return pid, start
+    return None
+
+
+def _by_cmdline(marks: tuple[str, ...], wrapper: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == wrapper:
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(m.encode() in argv for m in marks):
+            out.append(int(name))
+    return out
+
+
+# -- the log and its watcher ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Step:
+    """One COMMAND: from its start line to its end line, or to its death seen by the watcher."""
+
+    fence: int
+    start_ns: int
+    pid: int
+    stime: int
+    cid: int
+    end_ns: int | None = None
+    how: str = ""
+    dead_ns: int | None = None
+    dead_seen: str = ""  # "pidfd": exact; "late": already gone when first looked at
+
+    @property
+    def stop_ns(self) -> int:
+        """Where the interval ends. Without an end line: when it was seen dead (conservative)."""
+        if self.end_ns is not None:
+            return self.end_ns
+        assert self.dead_ns is not None, f"COMMAND {self.pid} never seen dead"
+        return self.dead_ns
+
+    def describe(self, t0: int) -> str:
+        end = f"end line ({self.how})" if self.end_ns is not None else f"death seen by {self.dead_seen}"
+        return (
+            f"fence {self.fence} contender {self.cid} pid {self.pid} "
+            f"[{(self.start_ns - t0) / 1e9:.3f}s, {(self.stop_ns - t0) / 1e9:.3f}s] ({end})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    fence: int
+    ns: int
+    cid: int
+    mode: str
+
+
+class Watcher(threading.Thread):
+    """Tails the shared log; holds a pidfd on every COMMAND it learns of and stamps its death."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__(name="nemesis-watcher", daemon=True)
+        self.log = log
+        self.steps: list[Step] = []
+        self.writes: list[Write] = []
+        self.refusals: collections.Counter[str] = collections.Counter()
+        self.problems: list[str] = []
+        self.error: BaseException | None = None
+        self._mutex = threading.Lock()
+        self._offset = 0
+        self._partial = b""
+        self._by_pid: dict[int, Step] = {}
+        self._watch: dict[int, Step] = {}
+        self._poller = select.poll()
+        self._stopping = threading.Event()
+
+    def live(self) -> list[Step]:
+        with self._mutex:
+            return [s for s in self.steps if s.dead_ns is None]
+
+    def stop(self) -> None:
+        """Let the thread end once nothing is left to watch (also after a failure)."""
+        self._stopping.set()
+
+    def finish(self, timeout: float) -> None:
+        """Stop once every COMMAND seen is dead (the caller killed them all)."""
+        self._stopping.set()
+        self.join(timeout)
+        assert not self.is_alive(), f"COMMANDs still alive after {timeout:g} s: {self.live()}"
+        if self.error is not None:
+            raise self.error
+        self._read()  # lines written by processes that died after the last look
+
+    def run(self) -> None:
+        try:
+            while True:
+                self._read()
+                for fd, _ev in self._poller.poll(5):
+                    self._died(fd)
+                if self._stopping.is_set() and not self._watch:
+                    return
+        except BaseException as exc:
+            self.error = exc
+
+    def _died(self, fd: int) -> None:
+        now = time.monotonic_ns()
+        self._poller.unregister(fd)
+        os.close(fd)
+        with self._mutex:
+            step = self._watch.pop(fd)
+            step.dead_ns, step.dead_seen = now, "pidfd"
+
+    def _read(self) -> None:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            self._line(line.decode().split())
+
+    def _line(self, w: list[str]) -> None:
+        kind = w[0]
+        if kind == "start":
+            step = Step(fence=int(w[1]), start_ns=int(w[2]), pid=int(w[3]), stime=int(w[4]), cid=int(w[5]))
+            self._watch_pid(step)
+        elif kind == "end":
+            step = self._by_pid.get(int(w[3]))
+            if step is None or step.end_ns is not None:
+                self.problems.append(f"end line without its start: {w}")
+                return
+            step.end_ns, step.how = int(w[2]), w[5]
+        elif kind == "write":
+            self.writes.append(Write(fence=int(w[1]), ns=int(w[2]), cid=int(w[4]), mode=w[5]))
+        elif kind == "refused":
+            self.refusals[w[5]] += 1
+
+    def _watch_pid(self, step: Step) -> None:
+        try:
+            fd = os.pidfd_open(step.pid)
+        except ProcessLookupError:
+            fd = -1
+        if fd >= 0 and _proc.start_time(step.pid) != step.stime:
+            os.close(fd)
+            fd = -1
+        with self._mutex:
+            self.steps.append(step)
+            self._by_pid[step.pid] = step
+            if fd < 0:
+                step.dead_ns, step.dead_seen = time.monotonic_ns(), "late"
+            else:
+                self._watch[fd] = step
+                self._poller.register(fd, select.POLLIN)
+
+
+# -- the checker ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Verdict:
+    overlaps: list[str] = dataclasses.field(default_factory=list)
+    fences: list[str] = dataclasses.field(default_factory=list)
+    writes: list[str] = dataclasses.field(default_factory=list)
+    exits: list[str] = dataclasses.field(default_factory=list)
+    stalls: list[str] = dataclasses.field(default_factory=list)
+    trailing: int = 0  # guarded writes that landed after their COMMAND died, before a newer one
+    involved: set[int] = dataclasses.field(default_factory=set)  # contenders named by a violation
+
+    def violations(self) -> list[str]:
+        return [*self.overlaps, *self.fences, *self.writes, *self.exits, *self.stalls]
+
+
+def check(steps: list[Step], writes: list[Write], t0: int = 0) -> Verdict:
+    """Every safety invariant over one round's records (a pure function: tested on its own)."""
+    v = Verdict()
+    steps = sorted(steps, key=lambda s: s.start_ns)
+    for a, b in itertools.combinations(steps, 2):
+        if b.start_ns <= a.stop_ns and a.start_ns <= b.stop_ns:
+            ms = (min(a.stop_ns, b.stop_ns) - b.start_ns) / 1e6
+            v.overlaps.append(f"overlap {ms:.1f} ms: {a.describe(t0)} and {b.describe(t0)}")
+            v.involved |= {a.cid, b.cid}
+    for a, b in itertools.pairwise(steps):
+        if b.fence == a.fence:
+            v.fences.append(f"fence {a.fence} issued twice: {a.describe(t0)} and {b.describe(t0)}")
+            v.involved |= {a.cid, b.cid}
+        elif b.fence < a.fence:
+            v.fences.append(f"fence fell from {a.fence} to {b.fence}: {a.describe(t0)} then {b.describe(t0)}")
+            v.involved |= {a.cid, b.cid}
+    for w in writes:
+        if w.mode not in ("exec", "both"):
+            continue
+        own = next((s for s in reversed(steps) if s.fence == w.fence and s.start_ns <= w.ns), None)
+        at = f"write by contender {w.cid} with fence {w.fence} at {(w.ns - t0) / 1e9:.3f}s"
+        newer = [s for s in steps if s.start_ns <= w.ns and s.fence > w.fence]
+        if own is None:
+            v.writes.append(f"{at}: no COMMAND with that fence had started")
+            v.involved.add(w.cid)
+        elif newer:
+            v.writes.append(f"{at} landed under a newer holder, {newer[-1].describe(t0)}")
+            v.involved |= {w.cid, newer[-1].cid}
+        elif w.ns > own.stop_ns:
+            # Its COMMAND's leader is dead but nobody newer has started: the guard's hold-off
+            # keeps the lock until the write lands. Counted, not a violation.
+            v.trailing += 1
+    accepted = sorted((w for w in writes if w.mode in ("fence", "both")), key=lambda w: w.ns)
+    for a, b in itertools.pairwise(accepted):
+        if b.fence < a.fence:
+            v.writes.append(
+                f"the fence ledger let fence {b.fence} write at {(b.ns - t0) / 1e9:.3f}s "
+                f"after fence {a.fence} wrote at {(a.ns - t0) / 1e9:.3f}s"
+            )
+            v.involved |= {a.cid, b.cid}
+    return v
+
+
+# -- contenders and the nemesis -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Contender:
+    cid: int
+    popen: subprocess.Popen[bytes]
+    stime: int | None
+    marks: tuple[str, ...]
+    spawned: float
+    lease: float
+    wait: float
+    grace: float
+    closed_stdio: bool
+    err: Path
+    holder: tuple[int, int] | None = None
+    faults: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclasses.dataclass
+class Frozen:
+    kind: str
+    pid: int
+    stime: int
+    group: bool
+    resume_at: float
+    c: Contender
+
+
+@dataclasses.dataclass
+class Stall:
+    since: float
+    until: float
+    waiters: set[int]
+    frozen_waiters: set[int]
+
+
+class Nemesis:
+    """One round: spawn contenders, signal them at random, then kill what is left and probe."""
+
+    def __init__(
+        self, backend: str, procs: Procs, env: dict[str, str], work: Path, seed: int, kinds: list[str]
+    ) -> None:
+        self.backend, self.procs, self.env, self.work, self.seed = backend, procs, env, work, seed
+        self.kinds = [k for k in kinds if k not in WORKLOAD]
+        self.closed_stdio = "closed-stdio" in kinds
+        self.hang = "hang-heartbeat" in kinds
+        self.manual = self.hang or "manual-heartbeat" in kinds
+        self.job = f"nem-{uuid.uuid4().hex[:12]}"
+        self.log = work / f"{self.job}.log"
+        # Separate streams: contender plans and the fault schedule are the same for a seed
+        # whatever the timing; only which process a fault hits depends on the moment.
+        self.rng_plan = random.Random(f"{seed}/plan")
+        self.rng_fault = random.Random(f"{seed}/fault")
+        self.rng_target = random.Random(f"{seed}/target")
+        self.leases = [1.0, 1.5, 2.0, 3.0] if backend == "local" else [2.0, 3.0]
+        # On etcd the holder gives up a margin before the cluster expires the lease; within
+        # short leases that margin only covers a small grace (README: lease >= 3 x (grace + 1)).
+        self.graces = [0.2, 0.5, 0.8, 1.2] if backend == "local" else [0.0, 0.1, 0.2]
+        # How long the lock may stay out of reach after a fault: lease + kill grace + 1 s, and on
+        # etcd at least the 5 s SPEC gives a killed waiter (its key lingers until its lease
+        # expires, and etcd reaps expired leases in 0.5 s steps).
+        self.bound = max(max(self.leases) + max(self.graces) + 1.0, 5.0 if backend == "etcd" else 0.0)
+        self.contenders: list[Contender] = []
+        self.frozen: list[Frozen] = []
+        self.faults: collections.Counter[str] = collections.Counter()
+        self.missed: collections.Counter[str] = collections.Counter()  # no process to hit
+        self.fault_log: list[str] = []
+        self.stalls: list[Stall] = []
+        self._idle_since: float | None = None
+        self._waiter_killed = 0.0
+        self._stall: Stall | None = None
+        self.watcher = Watcher(self.log)
+        self.t0 = time.monotonic()
+
+    # -- spawning --------------------------------------------------------------------------
+
+    def spawn(self) -> Contender:
+        """Start one contender with a plan drawn from the seed."""
+        r = self.rng_plan
+        lease = r.choice(self.leases)
+        wait = 0.0 if r.random() < 0.1 else round(r.uniform(1.0, 10.0), 1)
+        grace = r.choice(self.graces)
+        # A third hold past the lease, so a frozen or killed holder often has a COMMAND to stop.
+        hold = r.uniform(2.0, 5.0) if r.random() < 0.3 else r.uniform(0.1, 1.0)
+        term = "die" if r.random() < 0.5 else f"{r.uniform(0.1, 1.5):.2f}"
+        guard = r.choices(["none", "exec", "fence", "both"], weights=[40, 25, 15, 20])[0]
+        hb, flags, hung = "auto", [], False
+        if lease >= 2 and r.random() < 0.25 and self.manual:
+            # Every lease / 3, as the README recommends (plus pearing-cli's own start-up).
+            flags = ["--heartbeat", "manual"]
+            hb = f"{lease / 3:.2f}"
+            hung, hang = r.random() < 0.3, r.uniform(0.2, 1.0)
+            if hung and self.hang:  # a hung agent: stops heartbeating, loses the lease
+                hb += f":{hang:.2f}"
+                hold = max(hold, hang + lease + 1.0)
+        closed = self.closed_stdio and r.random() < 0.15
+        # -v makes pearing-run write to stderr: with fd 2 closed that is a fault of its own.
+        verbose = ["-v"] if not closed or r.random() < 0.3 else []
+        plan = [
+            f"hold={hold:.2f}",
+            f"term={term}",
+            f"hb={hb}",
+            f"lease={lease:g}",
+            f"guard={guard}",
+            f"delay={r.uniform(0.0, 0.4):.2f}",
+            "max=1",
+            f"resource=nemesis:{self.job}",
+            f"target={self.work / (self.job + '.target')}",
+        ]
+        cid = len(self.contenders)
+        ident = f"{self.job}.c{cid}"
+        args = ["--job", self.job, "--identity", ident, *verbose, "--lease-seconds", f"{lease:g}"]
+        args += ["--wait-seconds", f"{wait:g}", "--kill-grace", f"{grace:g}", *flags]
+        command = [sys.executable, "-S", COMMAND, "run", str(self.log), str(cid), *plan]
+        argv = [PEARING_RUN, *args, "--", *command]
+        if closed:
+            argv = ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', *argv]
+        with (self.work / f"{self.job}.c{cid}.err").open("wb") as err:
+            p = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=err)
+        c = Contender(
+            cid=cid,
+            popen=p,
+            stime=_proc.start_time(p.pid),
+            marks=(self.job, ident),
+            spawned=time.monotonic(),
+            lease=lease,
+            wait=wait,
+            grace=grace,
+            closed_stdio=closed,
+            err=self.work / f"{self.job}.c{cid}.err",
+        )
+        chosen_kinds = (
+            ("closed-stdio", closed),
+            ("manual-heartbeat", bool(flags)),
+            ("hang-heartbeat", hung and self.hang),
+        )
+        for kind, chosen in chosen_kinds:
+            if chosen:
+                c.faults.append(f"{kind}@{c.spawned - self.t0:.3f}s")
+                self.faults[kind] += 1
+        self.contenders.append(c)
+        return c
+
+    # -- the state of the round ------------------------------------------------------------------
+
+    def alive(self) -> list[Contender]:
+        return [c for c in self.contenders if c.alive()]
+
+    def discover_holders(self) -> None:
+        for c in self.alive():
+            if c.holder is None:
+                c.holder = find_holder(c.pid, c.marks)
+
+    def holders(self) -> list[Contender]:
+        """Contenders whose holder process is alive (it holds, or is letting go)."""
+        return [c for c in self.contenders if c.holder is not None and _proc.alive(*c.holder)]
+
+    def waiting_pids(self) -> set[int]:
+        """pearing-run processes waiting in line, as the backend's queue names them."""
+        if self.backend == "local":
+            recs = ticket_records(self.procs.lock_dir, self.job)
+            return {r["holder_pid"] for r in recs if r.get("state") == "waiting"}
+        from singleflight.etcd.client import Cluster as Client
+        from singleflight.etcd.lock import Mutex
+
+        kvs, _ = Mutex(Client(self.env[ENV_BACKEND]), "default", self.job).queue()
+        return {json.loads(kv["value"]).get("holder_pid") for kv in kvs[1:]}
+
+    def is_frozen(self, c: Contender) -> bool:
+        return any(f.c is c for f in self.frozen)
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def inject(self, kind: str) -> None:
+        # The pause of a stop: short, about the lease, or well past it (a waiter: past its
+        # own wait deadline). Drawn before the target, so the schedule depends on the seed only.
+        length = self.rng_fault.choice(["short", "lease", "long"])
+        factor = self.rng_fault.uniform(*{"short": (0.1, 0.4), "lease": (0.8, 1.3), "long": (1.5, 3.0)}[length])
+        verb, _, who = kind.partition("-")
+        sig = signal.SIGKILL if verb == "kill" else signal.SIGSTOP
+        if who.startswith("command"):
+            live = [s for s in self.watcher.live() if not any(f.pid == s.pid for f in self.frozen)]
+            if not live:
+                self.missed[kind] += 1
+                return
+            step = self.rng_target.choice(live)
+            c = self.contenders[step.cid]
+            group = who == "command-group" or verb == "stop"
+            if not self.signal(step.pid, step.stime, sig, group):
+                self.missed[kind] += 1
+                return
+            self.note(kind, c, step.pid, factor * c.lease if verb == "stop" else None, step.stime, group)
+            return
+        if who == "waiter":
+            waiting = self.waiting_pids()
+            pool = [c for c in self.alive() if c.pid in waiting and c.holder is None and not self.is_frozen(c)]
+        else:
+            pool = [c for c in self.holders() if not self.is_frozen(c) and (who == "holder" or c.alive())]
+            busy = {s.cid for s in self.watcher.live()}
+            pool = [c for c in pool if c.cid in busy] or pool  # rather a run whose COMMAND is running
+        if not pool:
+            self.missed[kind] += 1
+            return
+        c = self.rng_target.choice(pool)
+        if who == "holder":
+            assert c.holder is not None
+            pid, stime = c.holder
+        else:
+            pid, stime = c.pid, c.stime or 0
+        if not self.signal(pid, stime, sig, group=False):
+            self.missed[kind] += 1
+            return
+        pause = factor * c.lease
+        if who == "waiter" and length == "long":  # past its own deadline by more than a stall
+            pause = max(0.0, c.spawned + c.wait - time.monotonic()) + self.bound + factor
+        self.note(kind, c, pid, pause if verb == "stop" else None, stime, group=False)
+
+    def signal(self, pid: int, stime: int, sig: int, group: bool) -> bool:
+        if not group:
+            return kill_exact(pid, stime, sig)
+        if _proc.start_time(pid) != stime:
+            return False
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def note(self, kind: str, c: Contender, pid: int, pause: float | None, stime: int, group: bool) -> None:
+        now = time.monotonic()
+        self.faults[kind] += 1
+        what = f"{kind}@{now - self.t0:.3f}s pid {pid}" + (f" for {pause:.2f}s" if pause is not None else "")
+        c.faults.append(what)
+        self.fault_log.append(f"contender {c.cid}: {what}")
+        if pause is not None:
+            self.frozen.append(Frozen(kind, pid, stime, group, now + pause, c))
+        if kind == "kill-waiter":
+            self._waiter_killed = now
+
+    def thaw(self, f: Frozen) -> None:
+        if f.group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(f.pid, signal.SIGCONT)
+        else:
+            kill_exact(f.pid, f.stime, signal.SIGCONT)
+        self.frozen.remove(f)
+
+    def sample_idle(self) -> None:
+        """Liveness: the lock must not sit idle longer than lease + kill grace + 1 s while
+        someone waits in line. The clock starts when the lock went idle, but no earlier than
+        the wait deadline of every frozen waiter ahead of the first running one (SPEC: a
+        frozen waiter keeps its place until then) nor the last kill of a waiter (on etcd its
+        key lingers until its lease runs out). A frozen wrapper, holder or COMMAND excuses
+        it altogether: their run holds the lock."""
+        now = time.monotonic()
+        if self.watcher.live() or any(f.kind != "stop-waiter" for f in self.frozen):
+            self._idle_since = self._stall = None
+            return
+        # In arrival (spawn) order, FIFO. A frozen waiter stays in line; a running one leaves
+        # at its deadline.
+        line = [
+            c
+            for c in self.alive()
+            if c.holder is None
+            and c.wait > 0
+            and c.spawned + 0.5 < now
+            and (self.is_frozen(c) or now < c.spawned + c.wait - 0.3)
+        ]
+        first = next((i for i, c in enumerate(line) if not self.is_frozen(c)), None)
+        if first is None:
+            self._idle_since = self._stall = None
+            return
+        if self._idle_since is None:
+            self._idle_since = now
+        since = max([self._idle_since, self._waiter_killed, *(c.spawned + c.wait for c in line[:first])])
+        if now - since <= self.bound:
+            return
+        if self._stall is None:  # one record per idle spell
+            self._stall = Stall(since, now, set(), set())
+            self.stalls.append(self._stall)
+        self._stall.until = now
+        self._stall.waiters.update(c.cid for c in line[first:])
+        self._stall.frozen_waiters.update(c.cid for c in line[:first])
+
+    # -- the round -------------------------------------------------------------------------------
+
+    def storm(self, seconds: float) -> None:
+        self.watcher.start()
+        end = self.t0 + seconds
+        next_spawn = self.t0
+        next_fault = self.t0 + self.rng_fault.uniform(1.0, 2.0)
+        target = 10
+        while (now := time.monotonic()) < end:
+            for f in [f for f in self.frozen if f.resume_at <= now]:
+                self.thaw(f)
+            if now >= next_spawn:
+                if len(self.alive()) < target:
+                    self.spawn()
+                next_spawn = now + self.rng_plan.uniform(0.3, 1.2)
+                target = self.rng_plan.randint(8, 12)
+            self.discover_holders()
+            if self.kinds and now >= next_fault:
+                self.inject(self.rng_fault.choice(self.kinds))
+                next_fault = now + self.rng_fault.uniform(0.4, 1.6)
+            self.sample_idle()
+            wake = min([next_spawn, next_fault, end, *(f.resume_at for f in self.frozen)])
+            time.sleep(min(max(wake - time.monotonic(), 0.0), 0.02))  # the schedule's tick
+
+    def final_fault(self) -> float:
+        """Thaw what is frozen, then kill -9 every wrapper and COMMAND still alive."""
+        for f in list(self.frozen):
+            self.thaw(f)
+        self.discover_holders()
+        now = time.monotonic()
+        for c in self.alive():
+            if kill_exact(c.pid, c.stime, signal.SIGKILL):
+                c.faults.append(f"final-kill-wrapper@{now - self.t0:.3f}s")
+        for s in self.watcher.live():
+            if kill_exact(s.pid, s.stime, signal.SIGKILL):
+                self.contenders[s.cid].faults.append(f"final-kill-command@{now - self.t0:.3f}s")
+        return time.monotonic()
+
+    def recover(self, last_fault: float) -> float:
+        """Seconds from the final fault until a fresh run's COMMAND started (its own start
+        line: the wrapper's start-up counts, its exit does not). Its run is checked like any."""
+        cid = PROBE
+        command = [sys.executable, "-S", COMMAND, "run", str(self.log), str(cid), "hold=0"]
+        wait = f"{self.bound + 10:g}"
+        r = self.procs.pr_run("--job", self.job, "--wait-seconds", wait, "--", *command, timeout=self.bound + 20)
+        assert r.returncode == 0, f"seed {self.seed}: no run got the lock after the final fault: {r!r}"
+        step = wait_for(lambda: next((s for s in self.watcher.steps if s.cid == cid), None), 5, "the probe's start")
+        again = self.procs.pr_run("--job", self.job, "--", "true")
+        assert again.returncode == 0, f"seed {self.seed}: the lock is busy with nobody left: {again!r}"
+        return step.start_ns / 1e9 - last_fault
+
+
+def check_exits(cs: list[Contender], v: Verdict) -> None:
+    """pearing-run exits with a documented code: COMMAND's (0, 3 refused heartbeat, 128+N
+    killed by signal N), 75 busy, 124 lease lost, -9 when the nemesis killed it, and 70
+    only when the holder was killed before it reported ready."""
+    for c in cs:
+        allowed = {0, nemesis_command.REFUSED, int(ExitCode.BUSY), int(ExitCode.LEASE_LOST), 128 + 9, 128 + 15}
+        if any(f.startswith(("kill-wrapper", "kill-waiter", "final")) for f in c.faults):
+            allowed.add(-9)
+        if any(f.startswith("kill-holder") for f in c.faults):
+            allowed.add(int(ExitCode.SOFTWARE))
+        if c.popen.returncode not in allowed:
+            err = c.err.read_text(errors="replace").strip() if c.err.exists() else ""
+            v.exits.append(f"contender {c.cid} exited {c.popen.returncode}; stderr: {err[-300:] or 'nothing'!r}")
+            v.involved.add(c.cid)
+
+
+def check_stalls(n: Nemesis, v: Verdict) -> None:
+    for s in n.stalls:
+        v.stalls.append(
+            f"stall: lock idle {s.until - s.since:.2f}s from {s.since - n.t0:.3f}s while contenders "
+            f"{sorted(s.waiters)} waited behind frozen waiters {sorted(s.frozen_waiters)} (past their deadlines)"
+        )
+        v.involved |= {*s.waiters, *s.frozen_waiters}
+
+
+def exit_codes(cs: list[Contender]) -> dict[str, int]:
+    names = {
+        0: "ok",
+        int(ExitCode.BUSY): "busy",
+        int(ExitCode.LEASE_LOST): "lease_lost",
+        int(ExitCode.SOFTWARE): "internal",
+        -9: "killed",
+    }
+    count = collections.Counter(names.get(c.popen.returncode, str(c.popen.returncode)) for c in cs)
+    return dict(sorted(count.items()))
+
+
+@dataclasses.dataclass
+class Round:
+    summary: str
+    details: str
+    recovered: float
+    ok: bool
+
+
+def one_round(backend: str, procs: Procs, env: dict[str, str], work: Path, seed: int, seconds: float) -> Round:
+    kinds, left_out = fault_kinds(backend)
+    started = time.monotonic()
+    n = Nemesis(backend, procs, env, work, seed, kinds)
+    try:
+        n.storm(seconds)
+        last = n.final_fault()
+        wait_for(lambda: not n.alive(), 15, "every killed wrapper to be reaped")
+        recovered = n.recover(last)
+        n.watcher.finish(timeout=30)
+    finally:
+        n.watcher.stop()
+    w = n.watcher
+    v = check(w.steps, w.writes, int(n.t0 * 1e9))
+    check_exits(n.contenders, v)
+    check_stalls(n, v)
+    problems = [*v.violations(), *w.problems]
+    if recovered > n.bound:
+        problems.append(f"recovery {recovered:.2f}s exceeds the bound (lease + kill grace + 1 s) {n.bound:g}s")
+    summary = (
+        f"NEMESIS backend={backend} seed={seed} job={n.job} runs={len(n.contenders)} "
+        f"exits={exit_codes(n.contenders)} steps={len(w.steps)} writes={len(w.writes)} "
+        f"refused={dict(w.refusals)} faults={dict(sorted(n.faults.items()))} "
+        f"no_target={dict(sorted(n.missed.items()))} overlaps={len(v.overlaps)} "
+        f"duplicate_fences={sum('issued twice' in x for x in v.fences)} "
+        f"falling_fences={sum('fell from' in x for x in v.fences)} "
+        f"bad_writes={len(v.writes)} trailing_writes={v.trailing} "
+        f"bad_exits={len(v.exits)} stalls={len(v.stalls)} recovery={recovered:.2f}s(bound {n.bound:g}s) "
+        f"round={time.monotonic() - started:.1f}s" + (f" left_out={left_out}" if left_out else "")
+    )
+    for cid in sorted(v.involved - {PROBE}):
+        c = n.contenders[cid]
+        problems.append(f"  contender {cid}: lease={c.lease:g} grace={c.grace:g} faults {c.faults or 'none'}")
+    schedule = "fault schedule:\n  " + "\n  ".join(n.fault_log)
+    details = "\n".join([*problems, schedule])
+    (work / f"{n.job}.txt").write_text(f"{summary}\n{details}\n")  # kept with the test's tmp dir
+    return Round(summary, details, recovered, ok=not problems)
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
+    """Indirectly parametrized: ``local`` or ``etcd`` (the session's 3-member cluster)."""
+    name = str(request.param)
+    if name == "etcd":
+        cluster: Cluster = request.getfixturevalue("etcd")
+        env[ENV_BACKEND] = cluster.url
+    return name
+
+
+BOTH = ["local", "etcd"]
+
+
+# -- the campaign ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_nemesis(backend: str, procs: Procs, env: dict[str, str], work: Path) -> None:
+    """One bounded round per backend (about a minute); PEARING_SOAK_SECONDS: rounds until then."""
+    soak_until = time.monotonic() + SOAK_SECONDS
+    rounds: list[Round] = []
+    while not rounds or time.monotonic() < soak_until:
+        r = one_round(backend, procs, env, work, SEED + len(rounds), STORM_SECONDS)
+        print(r.summary, flush=True)
+        rounds.append(r)
+    failed = [r for r in rounds if not r.ok]
+    if SOAK_SECONDS:
+        slowest = max(r.recovered for r in rounds)
+        print(f"NEMESIS soak backend={backend} rounds={len(rounds)} failed={len(failed)} slowest={slowest:.2f}s")
+    assert not failed, "\n\n".join(f"{r.summary}\n{r.details}" for r in failed)
+
+
+# -- the checker catches what it must ---------------------------------------------------------------
+
+
+def test_checker_flags_overlaps_fences_and_stray_writes() -> None:
+    ms = 1_000_000
+
+    def step(fence: int, start: int, end: int, cid: int, *, died: bool = False) -> Step:
+        if died:  # no end line: the interval runs until the watcher saw it dead
+            return Step(fence, start * ms, 100 + cid, 1, cid, dead_ns=end * ms, dead_seen="pidfd")
+        return Step(fence, start * ms, 100 + cid, 1, cid, end_ns=end * ms, how="done")
+
+    a, b, c = step(1, 0, 100, 0), step(2, 200, 300, 1), step(3, 400, 500, 2)
+    good = [Write(1, 50 * ms, 0, "exec"), Write(2, 250 * ms, 1, "both"), Write(3, 450 * ms, 2, "fence")]
+    assert check([a, b, c], good).violations() == []
+
+    v = check([a, step(2, 90, 150, 1, died=True), c], [])
+    assert len(v.overlaps) == 1 and "fence 1 contender 0" in v.overlaps[0] and "fence 2 contender 1" in v.overlaps[0]
+    assert "death seen by pidfd" in v.overlaps[0]
+
+    v = check([a, step(1, 200, 300, 1), step(0, 400, 500, 2)], [])
+    assert [x.split(":")[0] for x in v.fences] == ["fence 1 issued twice", "fence fell from 1 to 0"]
+
+    v = check([a, b, c], [Write(1, 150 * ms, 0, "exec")])
+    assert v.writes == [] and v.trailing == 1
+    v = check([a, b, c], [Write(4, 150 * ms, 0, "exec")])
+    assert len(v.writes) == 1 and "no COMMAND with that fence" in v.writes[0]
+    v = check([a, b, c], [Write(1, 250 * ms, 0, "exec")])
+    assert len(v.writes) == 1 and "under a newer holder, fence 2" in v.writes[0]
+    v = check([a, b, c], [Write(2, 250 * ms, 1, "fence"), Write(1, 260 * ms, 0, "fence")])
+    assert len(v.writes) == 1 and "let fence 1 write" in v.writes[0]
+
+
+def test_every_known_bug_names_a_strict_xfail_reproduction() -> None:
+    """KNOWN_BUGS and the xfail markers below stay in step: a kind left out of the default
+    round on a backend is reproduced, on that backend, by a test that fails today."""
+    for backend, kinds in KNOWN_BUGS.items():
+        for kind, names in kinds.items():
+            assert kind in FAULTS, kind
+            for name in names:
+                params = [p for m in globals()[name].pytestmark if m.name == "parametrize" for p in m.args[1]]
+                strict = [
+                    p
+                    for p in params
+                    if getattr(p, "values", None) == (backend,) and any(mark.name == "xfail" for mark in p.marks)
+                ]
+                assert strict, f"{name}[{backend}] is not marked xfail, yet {kind} is a known bug"
+
+
+# -- focused reproductions of what the campaign finds ---------------------------------------------------
+
+
+class Solo:
+    """A few runs of one job and their log, for the reproductions below."""
+
+    def __init__(self, procs: Procs, work: Path) -> None:
+        self.procs, self.work = procs, work
+        self.job = f"nem-{uuid.uuid4().hex[:12]}"
+        self.log = work / f"{self.job}.log"
+        self.watcher = Watcher(self.log)
+        self.watcher.start()
+        self.runs: dict[str, subprocess.Popen[bytes]] = {}
+        self.t0 = time.monotonic_ns()
+
+    def start(self, name: str, flags: list[str], plan: list[str], *, close: str = "") -> subprocess.Popen[bytes]:
+        """pearing-run FLAGS -- nemesis_command.py run PLAN; ``close``: fds to close first,
+        as sh redirections (``<&- >&- 2>&-``)."""
+        cid = len(self.runs)
+        argv = [PEARING_RUN, "--job", self.job, "--identity", f"{self.job}.c{cid}", *flags, "--"]
+        argv += [sys.executable, "-S", COMMAND, "run", str(self.log), str(cid), *plan]
+        if close:
+            argv = ["sh", "-c", f'exec "$0" "$@" {close}', *argv]
+        self.runs[name] = self.procs.start(argv, stdout=subprocess.DEVNULL)
+        return self.runs[name]
+
+    def started(self, name: str) -> Step:
+        cid = list(self.runs).index(name)
+        return wait_for(lambda: next((s for s in self.watcher.steps if s.cid == cid), None), 15, f"{name} to start")
+
+    def holder(self, name: str) -> tuple[int, int]:
+        p = self.runs[name]
+        return wait_for(lambda: find_holder(p.pid, (self.job,)), 10, f"the holder of {name}")
+
+    def waiting(self, name: str, lock_dir: Path, env: dict[str, str]) -> None:
+        pid = self.runs[name].pid
+
+        def queued() -> bool:
+            if ENV_BACKEND not in env:
+                return any(r.get("holder_pid") == pid for r in ticket_records(lock_dir, self.job))
+            from singleflight.etcd.client import Cluster as Client
+            from singleflight.etcd.lock import Mutex
+
+            kvs, _ = Mutex(Client(env[ENV_BACKEND]), "default", self.job).queue()
+            return any(json.loads(kv["value"]).get("holder_pid") == pid for kv in kvs[1:])
+
+        wait_for(queued, 15, f"{name} to wait in line")
+
+    def finish(self, timeout: float = 60) -> tuple[dict[str, int], Verdict]:
+        """Every run's exit status, and the checker's verdict on the log."""
+        codes = {name: self.procs.finish(p, timeout=timeout).returncode for name, p in self.runs.items()}
+        self.watcher.finish(timeout=30)
+        v = check(self.watcher.steps, self.watcher.writes, self.t0)
+        print(f"NEMESIS repro job={self.job} exits={codes} violations={v.violations()}")
+        return codes, v
+
+
+def freeze(pid: int, stime: int, seconds: float) -> None:
+    """The fault itself: SIGSTOP, a pause of ``seconds`` (the fault's length, not a wait on
+    anything), SIGCONT."""
+    assert kill_exact(pid, stime, signal.SIGSTOP)
+    time.sleep(seconds)
+    assert kill_exact(pid, stime, signal.SIGCONT)
+
+
+def known(backends: list[str], reason: str) -> list[Any]:
+    """The backend params, xfail(strict=True) on those where the bug is known."""
+    return [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=reason)) if b in backends else b for b in BOTH]
+
+
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> None:
+    solo = Solo(procs, work)
+    solo.start("a", ["--lease-seconds", "3"], ["hold=3"], close="<&- >&- 2>&-")
+    solo.started("a")
+    solo.start("b", [], ["hold=0.1"])  # --wait-seconds 0: busy at once while a holds
+    codes, v = solo.finish()
+    assert v.overlaps == [], v.overlaps
+    assert codes == {"a": 0, "b": int(ExitCode.BUSY)}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "with fd 2 closed sys.stderr is None and Log._emit raises AttributeError (it suppresses only "
+        "OSError/ValueError): pearing-run -v dies with exit 1 after taking a fence, COMMAND never runs",
+    ),
+    indirect=True,
+)
+def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: Procs, work: Path) -> None:
+    solo = Solo(procs, work)
+    solo.start("a", ["-v"], ["hold=0.1"], close="2>&-")
+    codes, _v = solo.finish()
+    assert codes == {"a": 0}, "pearing-run -v with stderr closed did not run COMMAND"
+    assert len(solo.watcher.steps) == 1
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "local",
+        pytest.param(
+            "etcd",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="intermittent on etcd (campaign seed 20260214): a holder frozen past its lease, and the "
+                "next run started while its COMMAND still ran; the wrapper's keepalive may be renewing the "
+                "waiting lease rather than the holder's",
+            ),
+        ),
+    ],
+    indirect=True,
+)
+def test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    lease = 1.0 if backend == "local" else 2.0
+    solo = Solo(procs, work)
+    solo.start("a", ["--lease-seconds", f"{lease:g}", "--kill-grace", "3"], ["hold=30", "term=1.0"])
+    solo.started("a")
+    pid, stime = solo.holder("a")
+    solo.start("b", ["--wait-seconds", "30"], ["hold=0.1"])
+    solo.waiting("b", lock_dir, env)
+    freeze(pid, stime, lease + 1.5)
+    codes, v = solo.finish()
+    assert v.overlaps == [], v.overlaps
+    assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "kill -9 of the holder frees the lock before COMMAND is stopped: locally the kernel drops "
+        "the flock at once, on etcd the wrapper revokes the lease before it sends SIGTERM; the next "
+        "run starts while COMMAND is still in its TERM handler (SPEC 7: freed only after it is dead)",
+    ),
+    indirect=True,
+)
+def test_killed_holder_keeps_the_lock_until_command_is_dead(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    solo = Solo(procs, work)
+    solo.start("a", ["--kill-grace", "3", "--lease-seconds", "3"], ["hold=30", "term=1.0"])
+    solo.started("a")
+    pid, stime = solo.holder("a")
+    solo.start("b", ["--wait-seconds", "20"], ["hold=0.1"])
+    solo.waiting("b", lock_dir, env)
+    assert kill_exact(pid, stime, signal.SIGKILL)
+    codes, v = solo.finish()
+    assert v.overlaps == [], v.overlaps
+    assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "local: the waiters behind block in the kernel on the frozen waiter's queue entry, which "
+        "stays locked while it is stopped. etcd: its key lives on its lease (60 s by default), "
+        "long past its 1 s wait. SPEC: a ^Z waiter keeps its place at most until its wait deadline",
+    ),
+    indirect=True,
+)
+def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    solo = Solo(procs, work)
+    solo.start("h", [], ["hold=2"])
+    solo.started("h")
+    w1 = solo.start("w1", ["--wait-seconds", "1"], ["hold=0.1"])
+    solo.waiting("w1", lock_dir, env)
+    stime = _proc.start_time(w1.pid)
+    assert stime is not None and kill_exact(w1.pid, stime, signal.SIGSTOP)
+    w2 = solo.start("w2", ["--wait-seconds", "10"], ["hold=0.1"])
+    solo.waiting("w2", lock_dir, env)
+    wait_for(lambda: w2.poll() is not None, 30, "w2 to run or give up")  # w1 stays frozen till then
+    kill_exact(w1.pid, stime, signal.SIGCONT)
+    codes, v = solo.finish()
+    assert v.violations() == []
+    assert codes["w2"] == 0, "the waiter behind a frozen one never got the lock"
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "a killed waiter's key lives on until its lease expires (--lease-seconds, 60 s by default): "
+        "the waiters behind it wait that long. SPEC Backends: a killed waiter stops blocking within 5 s",
+    ),
+    indirect=True,
+)
+def test_killed_waiter_stops_blocking_within_5_s(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    solo = Solo(procs, work)
+    solo.start("h", [], ["hold=1"])
+    solo.started("h")
+    w1 = solo.start("w1", ["--wait-seconds", "30"], ["hold=0.1"])
+    solo.waiting("w1", lock_dir, env)
+    w1.kill()
+    solo.start("w2", ["--wait-seconds", "10"], ["hold=0.1"])
+    codes, v = solo.finish()
+    assert v.violations() == []
+    assert codes["w2"] == 0, "the waiter behind a killed one never got the lock"
+    h, w2 = sorted(solo.watcher.steps, key=lambda s: s.start_ns)
+    assert (w2.start_ns - h.stop_ns) / 1e9 < 5.0
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        ["local"],
+        "pearing-guard exec runs CMD in a process group of its own and holds the hold-off (a shared "
+        "flock on guard.lock) only in its own process: kill -9 of COMMAND's group kills the guard, "
+        "the hand-over goes ahead, and the orphaned CMD's write lands under the next holder",
+    ),
+    indirect=True,
+)
+def test_group_kill_mid_guarded_write_holds_off_the_hand_over(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    solo = Solo(procs, work)
+    plan = ["hold=4", "guard=exec", "delay=1.5", "max=5", f"target={work / 'target'}"]
+    solo.start("a", ["--lease-seconds", "3"], plan)
+    a = solo.started("a")
+    solo.start("b", ["--wait-seconds", "20"], ["hold=3"])
+    solo.waiting("b", lock_dir, env)
+    # COMMAND -> pearing-guard exec -> the writer, which logs "begin" and then takes 1.5 s.
+    wait_for(lambda: "\nbegin " in solo.log.read_text(), 10, "the guarded write to be in flight")
+    os.killpg(a.pid, signal.SIGKILL)
+    codes, v = solo.finish()
+    assert v.writes == [], v.writes
+    assert len(solo.watcher.writes) == 1, "the guarded write never landed"
+    assert codes == {"a": 128 + 9, "b": 0}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "on etcd the holder's lose() calls EtcdLease.end() first, which revokes the lease: the next "
+        "waiter is promoted before COMMAND gets SIGTERM. SPEC 5: token dead, then TERM/KILL, then the "
+        "lock released (lease 6 s >= 3 x (grace 0.5 + 1 s), inside the README's envelope)",
+    ),
+    indirect=True,
+)
+def test_lost_lease_keeps_the_lock_until_command_is_dead(
+    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+) -> None:
+    solo = Solo(procs, work)
+    flags = ["--heartbeat", "manual", "--lease-seconds", "6", "--kill-grace", "0.5"]
+    solo.start("a", flags, ["hb=1:0", "hold=30", "term=0.4"])  # never heartbeats: a hung agent
+    solo.started("a")
+    solo.start("b", ["--wait-seconds", "30"], ["hold=0.1"])
+    solo.waiting("b", lock_dir, env)
+    codes, v = solo.finish()
+    assert v.overlaps == [], v.overlaps
+    assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "the holder reads the lease's TTL in whole seconds, truncated (and a TTL under 1 s is "
+        "omitted from etcd's JSON, read as -1 'gone'), then takes its margin off: a COMMAND that "
+        "heartbeats every lease/3 (README) loses a 3 s lease. SPEC 4: within every lease period",
+    ),
+    indirect=True,
+)
+def test_heartbeat_every_third_of_the_lease_keeps_it(backend: str, procs: Procs, work: Path) -> None:
+    solo = Solo(procs, work)
+    solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "3"], ["hb=1", "lease=3", "hold=8"])
+    codes, v = solo.finish()
+    assert v.violations() == []
+    assert codes == {"a": 0}, "a COMMAND heartbeating every lease/3 lost its lease"
+
+
+@pytest.mark.parametrize(
+    "backend",
+    known(
+        [],
+        "when ownership is lost before the holder has read COMMAND's pid (the 'started' line), "
+        "Holder._stop_command has nothing to stop and releases; the wrapper only logs the 'lost' "
+        "line and lets COMMAND run to its end, beside the next holder. SPEC 5",
+    ),
+    indirect=True,
+)
+def test_ownership_lost_before_command_starts_still_stops_it(backend: str, procs: Procs, work: Path) -> None:
+    """--max-runtime 0.001: ownership is lost as soon as the holder serves. The race (lost
+    before or after the holder hears of COMMAND) goes either way, about half the time here,
+    so up to 20 runs; one COMMAND that ends on its own after the loss is the bug."""
+    solo = Solo(procs, work)
+    ran_to_end = []
+    for i in range(20):
+        r = procs.finish(solo.start(f"a{i}", ["--max-runtime", "0.001"], ["hold=1"]))
+        assert r.returncode == ExitCode.LEASE_LOST, r
+        log = solo.log.read_text() if solo.log.exists() else ""
+        ended = [line for line in log.splitlines() if line.startswith("end ")]
+        if ended:
+            ran_to_end.append(f"run {i}: {ended[0]}")
+            break
+    solo.watcher.finish(timeout=30)
+    assert ran_to_end == [], f"COMMAND ran to its end after its run lost ownership: {ran_to_end}"
