@@ -217,12 +217,8 @@ def _mutex_prefix(url: str | None, job: str) -> str:
 
 def etcd_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
     """pearing-run and etcdctl lock, chains alternating on one single-member etcd on loopback,
-    and the lock dir in the same run. Skipped without etcd, etcdctl or the etcd extra."""
+    and the lock dir in the same run. Skipped without etcd or etcdctl."""
     etcd = shutil.which("etcd")
-    try:
-        import etcd3gw  # noqa: F401 - the etcd extra
-    except ImportError:
-        return None
     if etcd is None or ETCDCTL is None:
         return None
     import socket
@@ -427,7 +423,7 @@ def _table(r: dict[str, Any]) -> str:
             lines.append(f"{k:<30} {e[k]['p50_ms']:>8.1f} {e[k]['p99_ms']:>8.1f} {e[k]['max_ms']:>8.1f}")
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
-        lines += ["", "== hand-over on etcd: skipped (needs etcd, etcdctl and the etcd extra) =="]
+        lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
     return "\n".join(lines) + "\n"
 
 

@@ -155,6 +155,30 @@ def test_a_killed_holder_keeps_the_lock_until_command_ends(procs: Procs, work: P
     assert s["start1"] < s["end1"] < s["start2"]
 
 
+def test_release_from_the_cli_lets_the_holder_stop_command_first(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """pearing-cli release-lock-ticket of a running pearing-run's ticket: its token dies at once,
+    but the key stays until the holder has stopped COMMAND (2 s in its TERM trap)."""
+    log, ready = work / "log", work / "ready"
+    first = procs.pr("--job", job, "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready))
+    wait_for(ready.exists, 15, "the first COMMAND")
+    settled_holder_pid(procs, job, first.pid)
+    waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
+    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
+    ticket = procs.run_text([PEARING_CLI, "status", job, "--json"]).json[0]["holder"]["ticket_id"]
+    rel = procs.run_text([PEARING_CLI, "release-lock-ticket", job, ticket])
+    assert rel.returncode == 0 and rel.json["state"] == "released", rel
+    f = procs.finish(first, timeout=30)
+    w = procs.finish(waiter, timeout=30)
+    assert f.returncode == ExitCode.LEASE_LOST, f
+    assert w.returncode == 0, w
+    s = stamps(log)
+    assert s["start1"] < s["end1"] < s["start2"]
+    got = procs.run_text([PEARING_CLI, "get-lock-ticket", job, ticket])
+    assert got.json["state"] == "released" and got.json["end_reason"] == "released by owner", got
+
+
 # -- C. a frozen waiter ------------------------------------------------------------------------
 
 
@@ -269,6 +293,10 @@ def test_a_thirty_day_lease_is_honoured(procs: Procs, job: str, on_etcd: str) ->
     month = "2592000"
     r = procs.pr_run("--job", job, "--lease-seconds", month, "--heartbeat", "manual", "--", "sleep", "1")
     assert r.returncode == 0, r
+    # Ten years, the longest lease validation accepts: the wrapper's keepalive timer must not overflow.
+    for mode in ("manual", "auto"):
+        r = procs.pr_run("--job", job, "--lease-seconds", "315360000", "--heartbeat", mode, "--", "true")
+        assert r.returncode == 0, r
     got = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", month])
     assert got.returncode == 0, got
     t = json.loads(got.stdout)

@@ -299,7 +299,6 @@ class EtcdLock:
         if t.ticket_id in self._agents:
             # Its owner (pearing-cli, MCP, Lock) reads the ticket as soon as it is ready.
             driver.settle()
-            driver.warm = True
         token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
         env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url}

@@ -18,7 +18,7 @@ from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
-from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.lock import Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.
@@ -27,6 +27,8 @@ _RETRY = 0.25
 # a write at once would delay the release of a short COMMAND by one more fsync, and until then
 # the key is first in line, kept alive with its waiting lease by both wrapper and holder.
 _SETTLE_AFTER = 0.1
+# The longest wait between two keepalives of the wrapper's, whatever the lease.
+_KEEP_AT_MOST_EVERY = 3600.0
 # How long after the hand-over the old holder cleans up (see ``housekeeping``).
 _HOUSEKEEPING_AFTER = 0.2
 
@@ -68,7 +70,8 @@ class EtcdGrip:
         self.waiting_lease = waiting_lease
         self.keep_lease = keep_lease  # an hour's lease for the end record, granted while waiting
         self.kept_at = kept_at  # when the last keepalive of ``lease`` that succeeded was sent
-        self.keep_every: float | None = ttl / 3
+        # At most hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
+        self.keep_every: float | None = min(ttl / 3, _KEEP_AT_MOST_EVERY)
 
     def fds(self) -> set[int]:
         return set()
@@ -123,13 +126,9 @@ class EtcdLease:
         self.lapsed = False
         self.key_gone = False
         self.settled = False
-        self.warm = False
         self.settle_at = time.monotonic() + _SETTLE_AFTER
         self.ended: bytes | None = None
         self._schedule()
-        # The first look comes at once: one keepalive, so that this process's connection is
-        # open while COMMAND runs, not opened by the release that hands the lock over.
-        self.ticket.lease_deadline_mono = time.monotonic()
 
     @property
     def cluster(self) -> Cluster:
@@ -225,12 +224,6 @@ class EtcdLease:
         now = time.monotonic()
         kv = None
         try:
-            if not self.warm:
-                self.warm = True
-                self._keepalive()
-                if not self.unreachable and not self.lapsed:
-                    self._schedule()
-                    return None
             if self.unreachable or now >= self.kept_at + self.ttl / 3:
                 self._keepalive()
             if not self.settled and not self.unreachable and not self.lapsed and now >= self.settle_at:
@@ -255,9 +248,9 @@ class EtcdLease:
         t = parse(kv["value"])
         if t is None:
             return "ticket vanished"
-        self.mod = kv["mod_revision"]
-        if not t.live:
+        if not t.live:  # ended by its owner: that end record stands (``end`` leaves it)
             return RELEASED if t.state == RELEASED else t.describe_end()
+        self.mod = kv["mod_revision"]
         due = deadline_mono(t)
         if due is not None and due <= time.monotonic():
             return "lease expired"
@@ -281,10 +274,21 @@ class EtcdLease:
         ops = [record, op_put(self.mutex.base + "last", str(self.fence).encode())]
         ops.append(op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease))
         with contextlib.suppress(BackendUnavailable, Refused):
-            r = self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], ops, [])
-            if r.get("succeeded"):
-                self.ended = body
-                self.key_gone = state == RELEASED
+            for _ in range(3):
+                r = self.cluster.txn(
+                    [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)],
+                    ops,
+                    [op_range(self.key)],
+                )
+                if r.get("succeeded"):
+                    self.ended = body
+                    self.key_gone = state == RELEASED
+                    return
+                now = ranged(r, 0)[0]
+                cur = parse(now[0]["value"]) if now and now[0]["create_revision"] == self.fence else None
+                if cur is None or not cur.live:
+                    return  # gone, or ended by its owner (release-lock-ticket): that end record stands
+                self.mod = now[0]["mod_revision"]  # a heartbeat came in between
 
     def keep(self) -> None:
         if not self.unreachable:

@@ -1,4 +1,4 @@
-"""A watch that lasts: the gateway's event stream read from a plain socket, with failover.
+"""A watch that lasts: the gateway's event stream read from a plain socket (``wire.py``), with failover.
 
 The grpc-gateway answers ``POST /v3/watch`` with a chunked HTTP response that never
 ends, one JSON message per line. Read through ``requests``, a pause longer than the
@@ -6,8 +6,8 @@ read timeout surfaced as a ConnectionError, which looked like a dead member: a w
 gave up as "unreachable" after a third of its lease while the cluster was healthy.
 Here the socket is only read when ``select`` says so, so a quiet stream is just a
 quiet stream, however long the wait; a stream that breaks (the member died or was
-restarted) is re-opened on the next member from the last revision seen, so no event
-is lost; and only a full round of members that all refuse is "unreachable".
+restarted) is re-opened on the next member from the revision it started at, so no
+event is lost; and only a full round of members that all refuse is "unreachable".
 
 No threads: the waiter forks its holder right after the wait, and a process that
 forks must not have other threads.
@@ -19,11 +19,11 @@ import base64
 import contextlib
 import json
 import select
-import socket
 import time
 from typing import Any, Protocol
 
 from singleflight.core.errors import BackendUnavailable
+from singleflight.etcd.wire import Stream
 
 
 class Members(Protocol):
@@ -36,102 +36,26 @@ class Members(Protocol):
     current: int  # the member that answered last
 
 
-_READ = 65536
-# An answer to the watch request larger than this is not the gateway's.
-_MAX_HEADER = 16384
-
-
 class StreamBroken(Exception):
     """The stream ended or failed: re-open it (on another member)."""
 
 
-class Stream:
-    """One watch request on one member, read without blocking."""
-
-    def __init__(self, host: str, port: int, path: str, body: dict[str, Any], connect_timeout: float) -> None:
-        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+def _messages(stream: Stream) -> list[dict[str, Any]]:
+    """The watch results that arrived on ``stream``; StreamBroken when it ended or failed."""
+    try:
+        lines = stream.read()
+    except OSError as exc:
+        raise StreamBroken(str(exc)) from None
+    out = []
+    for line in lines:
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            payload = json.dumps(body).encode()
-            head = (
-                f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\n\r\n"
-            )
-            self.sock.sendall(head.encode() + payload)
-            self.sock.setblocking(False)
-        except OSError:
-            self.sock.close()
-            raise
-        self._raw = bytearray()  # bytes not yet parsed as HTTP
-        self._body = bytearray()  # de-chunked bytes not yet split into lines
-        self._headers_done = False
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def read(self) -> list[dict[str, Any]]:
-        """The messages that arrived (call when the socket is readable); StreamBroken at its end."""
-        try:
-            data = self.sock.recv(_READ)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError as exc:
-            raise StreamBroken(str(exc)) from None
-        if not data:
-            raise StreamBroken("closed by the member")
-        self._raw += data
-        if not self._headers_done and not self._parse_headers():
-            return []
-        self._dechunk()
-        out = []
-        while (nl := self._body.find(b"\n")) >= 0:
-            line = bytes(self._body[:nl]).strip()
-            del self._body[: nl + 1]
-            if not line:
-                continue
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                raise StreamBroken(f"not a watch message: {line[:80]!r}") from None
-            if "error" in msg or not isinstance(msg.get("result"), dict):
-                raise StreamBroken(f"watch failed: {str(msg.get('error'))[:120]}")
-            out.append(msg["result"])
-        return out
-
-    def _parse_headers(self) -> bool:
-        end = self._raw.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._raw) > _MAX_HEADER:
-                raise StreamBroken("no HTTP answer")
-            return False
-        head = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
-        status = head[0].split(" ", 2)
-        if len(status) < 2 or status[1] != "200":
-            raise StreamBroken(f"watch refused: {head[0][:80]}")
-        if not any(h.lower().replace(" ", "") == "transfer-encoding:chunked" for h in head[1:]):
-            raise StreamBroken("watch answer is not a stream")
-        del self._raw[: end + 4]
-        self._headers_done = True
-        return True
-
-    def _dechunk(self) -> None:
-        while True:
-            nl = self._raw.find(b"\r\n")
-            if nl < 0:
-                return
-            try:
-                size = int(bytes(self._raw[:nl]).split(b";")[0], 16)
-            except ValueError:
-                raise StreamBroken("bad chunk") from None
-            if size == 0:
-                raise StreamBroken("stream ended")
-            if len(self._raw) < nl + 2 + size + 2:
-                return
-            self._body += self._raw[nl + 2 : nl + 2 + size]
-            del self._raw[: nl + 2 + size + 2]
+            msg = json.loads(line)
+        except ValueError:
+            raise StreamBroken(f"not a watch message: {line[:80]!r}") from None
+        if "error" in msg or not isinstance(msg.get("result"), dict):
+            raise StreamBroken(f"watch failed: {str(msg.get('error'))[:120]}")
+        out.append(msg["result"])
+    return out
 
 
 class DeleteWatch:
@@ -174,7 +98,7 @@ class DeleteWatch:
             k = (first + i) % n
             host, port = cluster.endpoints[k]
             try:
-                self.stream = Stream(host, port, cluster.api_path + "watch", body, cluster.timeout)
+                self.stream = Stream(host, port, cluster.api_path + "watch", json.dumps(body).encode(), cluster.timeout)
             except OSError as exc:
                 errors.append(f"{host}:{port}: {exc.strerror or exc}")
                 continue
@@ -204,7 +128,7 @@ class DeleteWatch:
             if not ready:
                 return False
             try:
-                messages = self.stream.read()
+                messages = _messages(self.stream)
             except StreamBroken:
                 # The member died, restarted or lost its leader: resume elsewhere. A member
                 # that accepts and hangs up at once is skipped after a full round.

@@ -1,0 +1,112 @@
+"""The etcd client's HTTP/1.1 (``singleflight.etcd.wire``) against answers cut at every byte,
+and against a real loopback server that closes a kept-alive connection while it is idle."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from singleflight.etcd.wire import Answer, Conn, WireError
+
+SIZED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": "b"}\n'
+CHUNKED = (
+    b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n{"x": 1}\r\n1\r\n\n\r\na\r\n{"y": 2}\n\n\r\n0\r\n\r\n'
+)
+
+
+def fed_byte_by_byte(raw: bytes) -> Answer:
+    a = Answer()
+    for i in range(len(raw)):
+        a.feed(raw[i : i + 1])
+    return a
+
+
+def test_a_sized_answer_cut_anywhere() -> None:
+    a = fed_byte_by_byte(SIZED)
+    assert (a.status, a.done, bytes(a.body), a.close) == (200, True, b'{"a": "b"}\n', False)
+
+
+def test_a_chunked_answer_cut_anywhere_gives_its_lines() -> None:
+    a = fed_byte_by_byte(CHUNKED)
+    assert a.done and a.chunked
+    assert a.lines() == [b'{"x": 1}', b'{"y": 2}']
+
+
+def test_a_stream_gives_lines_as_they_complete() -> None:
+    a = Answer()
+    a.feed(CHUNKED[:60])
+    first = a.lines()
+    a.feed(CHUNKED[60:])
+    assert first + a.lines() == [b'{"x": 1}', b'{"y": 2}']
+
+
+@pytest.mark.parametrize("raw", [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 abc\r\n\r\n", b"x" * 20000])
+def test_what_is_not_an_http_answer_is_a_wire_error(raw: bytes) -> None:
+    with pytest.raises(WireError):
+        Answer().feed(raw)
+
+
+def test_a_bad_chunk_size_is_a_wire_error() -> None:
+    with pytest.raises(WireError):
+        Answer().feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+
+
+class OneShotServer:
+    """Answers each connection's first request, then closes it: a member dropping idle connections."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(
+                    next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+                )
+                while len(body) < length:
+                    body += conn.recv(4096)
+                self.requests += 1
+                conn.sendall(SIZED)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server() -> Iterator[OneShotServer]:
+    s = OneShotServer()
+    yield s
+    s.close()
+
+
+def test_a_connection_closed_while_idle_is_opened_again(server: OneShotServer) -> None:
+    conn = Conn("127.0.0.1", server.port, 2.0)
+    try:
+        for _ in range(3):
+            assert conn.request("/v3/kv/range", b"{}") == (200, b'{"a": "b"}\n')
+    finally:
+        conn.close()
+    assert server.requests == 3
+
+
+def test_no_member_is_an_os_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        with pytest.raises(OSError):
+            Conn("127.0.0.1", port, 1.0).request("/v3/kv/range", b"{}")
