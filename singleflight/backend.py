@@ -51,6 +51,10 @@ class Grip(Protocol):
     def keep(self) -> None:
         """Keep the lock ours a while longer (an etcd keepalive); never raises."""
 
+    def still_ours(self) -> bool:
+        """Right before COMMAND starts: is the lock certainly still ours? (An etcd lease that
+        nobody could keep alive for a whole TTL, wrapper and holder frozen, may have lapsed.)"""
+
     def close(self) -> None:
         """This process lets go of its share; the holder's share may still hold the lock."""
 

@@ -293,7 +293,7 @@ class Runner:
         self.grip = grip
         chan = self._fork_holder(grip, cfg)
         fault.point("after-holder-spawn")
-        msg = chan.recv()
+        msg = self._await_ready(chan, grip)
         if msg is None or msg.kind != protocol.READY:
             return self._holder_failed(msg)
         taken = protocol.Taken.from_info(msg.info)
@@ -317,6 +317,10 @@ class Runner:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
                 self._metric("deduplicated")
                 return self._finish(chan, 0, 0, ran=False)
+        if not self._heard_lost(chan) and not grip.still_ours():
+            # Wrapper and holder both frozen past an etcd lease's TTL: it may have lapsed, and
+            # the next waiter be running. The holder finds out at its next look.
+            self._lost("lease lapsed before COMMAND started")
         if self._heard_lost(chan):
             # The lease was lost before COMMAND could start (a stop signal at the holder's
             # start, a lease shorter than our start-up): never start it.
@@ -329,6 +333,15 @@ class Runner:
         status = self._wait_child(pid, chan)
         code = status if status is not None else int(ExitCode.LEASE_LOST)
         return self._finish(chan, code, self._lost_code() if self.lost else code)
+
+    def _await_ready(self, chan: Channel, grip: Grip) -> protocol.Message | None:
+        """The holder's first word, keeping the lock meanwhile: a holder frozen right after the
+        fork must not let an etcd lease lapse into the next waiter's run before ours starts."""
+        if grip.keep_every is None:
+            return chan.recv()
+        while (msg := chan.recv_until(time.monotonic() + grip.keep_every)) is None and not chan.eof:
+            grip.keep()
+        return msg
 
     def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
         from singleflight.core.protocol import Channel

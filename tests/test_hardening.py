@@ -122,6 +122,71 @@ def test_a_frozen_holder_woken_after_its_lease_never_lets_two_commands_run(
         assert ra.returncode in (0, ExitCode.LEASE_LOST), ra
 
 
+def _paused_child(parent: int) -> int | None:
+    """A child of ``parent`` that is stopped (a holder paused by PEARING_FAULT=pause-holder-start)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                data = Path(f"/proc/{name}/stat").read_bytes()
+                fields = data[data.rindex(b")") + 2 :].split()
+                if int(fields[1]) == parent and fields[0] == b"T":
+                    return int(name)
+    return None
+
+
+def _waiters(procs: Procs, job: str) -> int:
+    locks = procs.run_text([PEARING_CLI, "status", job, "--json"]).json
+    return len(locks[0]["waiters"]) if locks else 0
+
+
+@pytest.mark.parametrize("frozen", ["holder", "holder-and-wrapper"])
+def test_a_holder_frozen_before_it_is_ready_never_lets_two_commands_run(
+    backend: str, frozen: str, procs: Procs, work: Path
+) -> None:
+    """A promoted waiter's holder frozen right after the fork, before its first word, for
+    longer than its lease (and than an etcd waiting key lives unrenewed).
+
+    Holder alone: the wrapper keeps the lock while it waits for that word, so B keeps its
+    turn and C runs after it (on etcd both leases used to lapse: C ran, and B lost its turn).
+    Wrapper frozen too: on etcd nobody kept the leases, C runs; B must then never start its
+    COMMAND beside C's (it did when the wrapper started COMMAND before hearing the holder's
+    "lost"): it asks the cluster first. The lock dir's flock outlives any freeze."""
+    log = work / "log"
+    gate = Gate(work)
+    first = procs.pr("--job", "fr", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    env = dict(procs.env, PEARING_FAULT="pause-holder-start")
+    b = procs.pr(
+        "--job", "fr", "--lease-seconds", "2", "--wait-seconds", "60", "--", *logged(log, "B", seconds=0.5), env=env
+    )  # fmt: skip
+    wait_for(lambda: _waiters(procs, "fr") == 1, 15, "B to queue")
+    c = procs.pr("--job", "fr", "--wait-seconds", "60", "--", *logged(log, "C", seconds=3))
+    wait_for(lambda: _waiters(procs, "fr") == 2, 15, "C to queue")
+    gate.open()
+    pid = int(wait_for(lambda: _paused_child(b.pid), 15, "B's holder to pause right after the fork"))
+    if frozen == "holder-and-wrapper":
+        os.kill(b.pid, signal.SIGSTOP)
+    try:
+        thaw_at = time.monotonic() + 5.0  # the fault: 2.5 leases, and past the 3 s of a waiting key
+        wait_for(lambda: time.monotonic() >= thaw_at, 10, "the freeze to last")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(b.pid, signal.SIGCONT)
+    assert procs.finish(first).returncode == 0
+    rb, rc = procs.finish(b, timeout=60), procs.finish(c, timeout=60)
+    assert rc.returncode == 0, rc
+    spans = intervals(log)
+    if "B" in spans:
+        (b0, b1), (c0, c1) = spans["B"], spans["C"]
+        assert b1 is not None and c1 is not None, spans
+        assert b1 <= c0 or c1 <= b0, f"B and C ran at once: {spans}"
+    if backend == "local" or frozen == "holder":
+        assert rb.returncode == 0, rb
+        assert spans["B"][1] is not None and spans["B"][1] <= spans["C"][0], f"B lost its turn: {spans}"
+    else:
+        assert rb.returncode in (0, ExitCode.LEASE_LOST), rb
+
+
 def test_a_killed_holder_frees_the_lock_only_after_command_is_dead(backend: str, procs: Procs, work: Path) -> None:
     log = work / "log"
     a = procs.pr("--job", "k", "--kill-grace", "5", "--", *logged(log, "A", trap=2))

@@ -104,12 +104,7 @@ WORKLOAD = ("closed-stdio", "manual-heartbeat", "hang-heartbeat")  # how contend
 # A default round leaves them out; when a fix lands, delete the entry and the xfail marker.
 KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
     "local": {},
-    "etcd": {
-        # Seed 20260214 (49 s round): a holder frozen 3.25 s past its 3 s lease, and the next
-        # run started while its COMMAND still ran (1.7 s overlap). Not reproduced alone every
-        # time, so its reproduction is a non-strict xfail on etcd.
-        "stop-holder": ("test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead",),
-    },
+    "etcd": {},
 }
 
 
@@ -990,22 +985,7 @@ def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: 
     assert len(solo.watcher.steps) == 1
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "local",
-        pytest.param(
-            "etcd",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="intermittent on etcd (campaign seed 20260214): a holder frozen past its lease, and the "
-                "next run started while its COMMAND still ran; the wrapper's keepalive may be renewing the "
-                "waiting lease rather than the holder's",
-            ),
-        ),
-    ],
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:

@@ -19,7 +19,7 @@ from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged, revision
-from singleflight.etcd.lock import Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
+from singleflight.etcd.lock import WAIT_TTL, Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.
 _RETRY = 0.25
@@ -69,18 +69,38 @@ class EtcdGrip:
         self.cluster, self.lease, self.kv, self.token = cluster, lease, kv, token
         self.waiting_lease = waiting_lease
         self.keep_lease = keep_lease  # an hour's lease for the end record, granted while waiting
-        self.kept_at = kept_at  # when the last keepalive of ``lease`` that succeeded was sent
-        # At most hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
-        self.keep_every: float | None = min(ttl / 3, _KEEP_AT_MOST_EVERY)
+        self.kept_at = kept_at  # when the last keepalive of every lease the key may ride on was sent
+        self.ttl = ttl
+        # A promoted waiter's key rides on its waiting lease until the holder settles; at most
+        # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
+        self.keep_every: float | None = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
 
     def fds(self) -> set[int]:
         return set()
 
     def keep(self) -> None:
         with contextlib.suppress(BackendUnavailable, Refused):
-            self.cluster.keepalive(self.lease)
+            sent = time.monotonic()
+            alive = self.cluster.keepalive(self.lease) > 0
             if self.waiting_lease:
-                self.cluster.keepalive(self.waiting_lease)
+                alive = self.cluster.keepalive(self.waiting_lease) > 0 and alive
+            if alive:
+                self.kept_at = sent
+
+    def still_ours(self) -> bool:
+        """Every lease the key may ride on kept alive within half the shorter TTL: certainly
+        ours, no request (the usual hand-over). Else (wrapper and holder were both frozen, or
+        the cluster was slow) look: a lease that lapsed took the key with it, and the next
+        waiter may be running already."""
+        shorter = min(self.ttl, WAIT_TTL) if self.waiting_lease else self.ttl
+        if time.monotonic() - self.kept_at < shorter / 2:
+            return True
+        self.keep()
+        try:
+            kv = self.cluster.get(str(self.kv["key"]))
+        except BackendUnavailable:
+            return False
+        return kv is not None and kv["create_revision"] == self.kv["create_revision"]
 
     def close(self) -> None:
         """The lease lives in the cluster; the holder lets go of the key when it hands over."""

@@ -54,6 +54,9 @@ class FlockGrip:
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
 
+    def still_ours(self) -> bool:
+        return True  # the kernel keeps a flock for as long as the fd is open, frozen or not
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
