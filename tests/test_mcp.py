@@ -555,10 +555,6 @@ def _server_pid(lock_dir: Path) -> int:
     pytest.fail(f"no pearing-mcp process for {lock_dir}")
 
 
-@pytest.mark.etcd_xfail(
-    "the server leaks directory fds on etcd: 40 rounds of get/heartbeat/list/unknown-get leave a few more "
-    "open (status no longer leaks one per lock; another path still does)"
-)
 async def test_many_calls_do_not_leak_file_descriptors(
     server_args: list[str], tmp_path: Path, agents: set[int]
 ) -> None:

@@ -580,7 +580,10 @@ class EtcdBackend:
         self.cluster = Cluster(url)
 
     def close(self) -> None:
-        """Connections close with the process; nothing else is held."""
+        """Close the connections to the members now: a server (pearing-mcp) opens a backend per
+        call, and one kept alive by an exception's traceback would hold its sockets until the
+        garbage collector runs."""
+        self.cluster.close()
 
     def __enter__(self) -> EtcdBackend:
         return self
