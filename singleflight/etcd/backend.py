@@ -30,7 +30,7 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownTicket
+from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
@@ -131,8 +131,10 @@ class EtcdPlace:
 class EtcdLock:
     """One (scope, lock) in the cluster."""
 
-    def __init__(self, backend: EtcdBackend, repo: str, lock: str) -> None:
+    def __init__(self, backend: EtcdBackend, repo: str, lock: str, *, must_exist: bool = False) -> None:
         self.backend, self.repo, self.lock = backend, repo, lock
+        # Opened without ``create``: a ticket looked up in a lock with no key at all names the lock.
+        self.must_exist = must_exist
         self.cluster = backend.cluster
         self.mutex = Mutex(self.cluster, repo, lock)
         self._leases: dict[str, int] = {}
@@ -343,12 +345,22 @@ class EtcdLock:
     def _existing(self, ticket_id: str) -> Ticket:
         found = self.mutex.ticket(ticket_id)
         if found is None:
+            self._lock_must_exist()
             raise UnknownTicket(ticket_id)
         return found[0]
 
+    def _lock_must_exist(self) -> None:
+        """After a ticket was not found: as the lock dir does, say so when its lock does not exist
+        at all. Only then, so the hot paths pay no extra read."""
+        if self.must_exist and not self.mutex.exists():
+            raise UnknownLock(self.repo, self.lock)
+
     def read(self, ticket_id: str) -> Ticket | None:
         found = self.mutex.ticket(ticket_id)
-        return found[0] if found else None
+        if found is None:
+            self._lock_must_exist()
+            return None
+        return found[0]
 
     def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
         key = self.mutex.q + ticket_id
@@ -451,6 +463,7 @@ class EtcdLock:
         """
         found = self.mutex.ticket(ticket_id)
         if found is None:
+            self._lock_must_exist()
             raise UnknownTicket(ticket_id)
         t, kv = found
         if kv is None or not t.live:
@@ -592,7 +605,7 @@ class EtcdBackend:
         self.close()
 
     def lock(self, repo: str, lock: str, *, create: bool = True) -> EtcdLock:
-        return EtcdLock(self, names.scope(repo), names.lock_name(lock))
+        return EtcdLock(self, names.scope(repo), names.lock_name(lock), must_exist=not create)
 
     def read_activity(self, identity: str) -> str | None:
         kv = self.cluster.get(f"{self.cluster.root}activity/{identity}")

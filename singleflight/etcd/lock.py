@@ -238,6 +238,11 @@ class Mutex:
         kvs = ranged(r, 0)[0]
         return kvs[0] if kvs else None
 
+    def exists(self) -> bool:
+        """Any key of this lock at all (its queue, a ticket or end record, a request, its last fence)?"""
+        r = self.cluster.txn([], [op_range(self.base, prefix=True, limit=1, keys_only=True)], [])
+        return bool(ranged(r, 0)[0])
+
     # -- tickets ---------------------------------------------------------------
 
     def ticket(self, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
