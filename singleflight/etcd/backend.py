@@ -641,31 +641,34 @@ class EtcdBackend:
         return out
 
     def verify(self, claim: Claim) -> Verdict:
-        if not claim.ticket_id:
-            from singleflight.core.errors import UsageError
-
-            raise UsageError("on etcd, verify needs the ticket: PEARING_TICKET or a token file")
         try:
-            ok, reason, fence = recipe.verify(
+            ok, reason, fence, ticket_id = recipe.verify(
                 self.cluster, claim.repo, claim.lock, claim.ticket_id, token_hash(claim.token)
             )
         except BackendUnavailable as exc:
-            ok, reason, fence = False, str(exc), None
+            ok, reason, fence, ticket_id = False, str(exc), None, None
         if ok:
-            return claim.live(fence)
-        return claim.refuse(reason, fence=fence)
+            return claim.live(fence, ticket_id=ticket_id)
+        return claim.refuse(reason, ticket_id=ticket_id, fence=fence)
 
     @contextmanager
     def hold_off(self, claim: Claim, seconds: float) -> Iterator[Verdict]:
-        if not claim.ticket_id:
-            raise NotHeld("-", "unknown token: on etcd a guard needs the ticket id")
-        held = recipe.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id, seconds)
+        tid = claim.ticket_id
+        if not tid:
+            # PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone: the guard key names the ticket,
+            # so find it by its token first (verified again below, once the key is in place).
+            found = self.verify(claim)
+            if not found.ok:
+                raise NotHeld(found.ticket_id or "-", found.reason)
+            tid = found.ticket_id
+            claim = Claim(claim.lock, claim.repo, tid, claim.token, lock_dir=claim.lock_dir, backend=claim.backend)
+        held = recipe.hold_guard(self.cluster, claim.repo, claim.lock, tid, seconds)
         if held is None:
-            raise NotHeld(claim.ticket_id, "unknown token or lease expired")
+            raise NotHeld(tid, "unknown token or lease expired")
         try:
             verdict = self.verify(claim)
             if not verdict.ok:
-                raise NotHeld(claim.ticket_id, verdict.reason)
+                raise NotHeld(tid, verdict.reason)
             yield verdict
         finally:
             self.cluster.revoke(held[1])
