@@ -295,11 +295,6 @@ def test_exec_max_seconds_kills_long_cmd(backend: str, work_procs: Procs, work: 
     assert p.wait(timeout=15) == 0
 
 
-@pytest.mark.etcd_xfail(
-    "lease expiry does not wait for an in-flight pearing-guard exec: at the holder's deadline the guarded "
-    "CMD gets SIGTERM and the waiter starts some 40 ms later, so the side effect is cut short instead of "
-    "held off; the lock dir holds expiry off until the guarded CMD ends (at most --max-seconds)"
-)
 def test_exec_holds_off_expiry_and_handover(backend: str, work_procs: Procs, work: Path) -> None:
     """Lease expiry waits for an in-flight guarded CMD; the next holder starts only after it."""
     guarded = (

@@ -227,6 +227,30 @@ class Mutex:
             finally:
                 watch.close()
 
+    def wait_guards_of(
+        self, ticket_id: str, until: Callable[[], float], tick: Callable[[], None], every: float
+    ) -> int | None:
+        """Until no guarded command of ``ticket_id`` is in flight (its ``pearing-guard exec`` keys
+        gone, revoked or lapsed): the revision at which none was; None once ``until()`` passed
+        first. ``tick()`` runs every ``every`` seconds meanwhile (the holder's keepalive)."""
+        owner = ticket_id.encode()
+        while True:
+            guards, at = self.cluster.range_prefix(self.g)
+            mine = [kv for kv in guards if kv["value"] == owner]
+            if not mine:
+                return at
+            watch = DeleteWatch(self.cluster, mine[0]["key"], at)
+            try:
+                while not watch.deleted:
+                    end = until()
+                    if time.monotonic() >= end:
+                        return None
+                    if not watch.wait(min(end, time.monotonic() + every)):
+                        tick()
+                        break  # look again: it may have lapsed unseen on a dead member
+            finally:
+                watch.close()
+
     # -- the queue as it stands ------------------------------------------------------
 
     def queue(self, *, keys_only: bool = False) -> tuple[list[dict[str, Any]], int]:
