@@ -95,11 +95,6 @@ def test_verify_inside_run_exits_0_and_json_has_fence(backend: str, work_procs: 
     assert backend != "local" or verdict["fence"] == 1
 
 
-@pytest.mark.etcd_xfail(
-    "pearing-guard verify given PEARING_TOKEN + PEARING_LOCK + PEARING_REPO without PEARING_TOKEN_FILE or "
-    "PEARING_TICKET exits 64 ('on etcd, verify needs the ticket') instead of judging the token; SPEC lists "
-    "that triple as a token source"
-)
 def test_verify_via_env_only_inside_run(backend: str, work_procs: Procs, work: Path) -> None:
     """PEARING_TOKEN + PEARING_LOCK + PEARING_REPO, no PEARING_TOKEN_FILE (nor PEARING_TICKET)."""
     script = (
@@ -114,6 +109,25 @@ def test_verify_via_env_only_inside_run(backend: str, work_procs: Procs, work: P
     verdict = json.loads((work / "v.json").read_text())
     assert verdict["ok"] is True
     assert verdict["fence"] == int(line_file(work / "fence") or "0")
+
+
+def test_env_only_token_guards_exec_and_is_refused_after_release(backend: str, work_procs: Procs, work: Path) -> None:
+    """The same token source for exec; after the run its token is refused, and so is a forged one."""
+    env_only = f"env -u {ENV_TOKEN_FILE} -u {ENV_TICKET}"
+    script = (
+        f"{env_only} {q(PEARING_GUARD)} exec -- sh -c 'echo \"$PEARING_TICKET\" > in_exec'; echo $? > x.rc; "
+        f'echo "${ENV_TOKEN}" > token'
+    )
+    r = work_procs.run_text(_run_argv("guard-env-x", script, "--repo", "teams/platform/website"))
+    assert r.returncode == 0, r.stderr
+    assert line_file(work / "x.rc") == "0"
+    assert line_file(work / "in_exec") == ""  # CMD ran, with no ticket id to go on
+    after = {**work_procs.env, ENV_LOCK: "guard-env-x", ENV_REPO: "teams/platform/website"}
+    for token in (line_file(work / "token") or "", secrets.token_hex(32)):
+        v = work_procs.run_text([PEARING_GUARD, "verify", "--json"], env={**after, ENV_TOKEN: token})
+        assert v.returncode == ExitCode.REFUSED, v
+        assert json.loads(v.stdout)["ok"] is False
+        v.one_line()
 
 
 def test_verify_after_release_is_refused(backend: str, work_procs: Procs, work: Path) -> None:
@@ -285,11 +299,6 @@ def test_exec_max_seconds_kills_long_cmd(backend: str, work_procs: Procs, work: 
     assert p.wait(timeout=15) == 0
 
 
-@pytest.mark.etcd_xfail(
-    "lease expiry does not wait for an in-flight pearing-guard exec: at the holder's deadline the guarded "
-    "CMD gets SIGTERM and the waiter starts some 40 ms later, so the side effect is cut short instead of "
-    "held off; the lock dir holds expiry off until the guarded CMD ends (at most --max-seconds)"
-)
 def test_exec_holds_off_expiry_and_handover(backend: str, work_procs: Procs, work: Path) -> None:
     """Lease expiry waits for an in-flight guarded CMD; the next holder starts only after it."""
     guarded = (

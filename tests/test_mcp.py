@@ -501,10 +501,6 @@ async def test_wrong_types_unknown_and_overlong_arguments_are_tool_errors(tmp_pa
     assert "Traceback" not in (tmp_path / "server.stderr").read_text()
 
 
-@pytest.mark.etcd_xfail(
-    "get_lock_ticket on a lock that has no tickets says only 'ticket ID: unknown ticket'; the lock dir says "
-    "\"no lock 'other' in scope '...'\""
-)
 async def test_an_unknown_lock_is_named_in_the_error(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:
     async with serve(tmp_path, agents, *server_args) as c:
         await c.acquire()  # the seed's lock exists; 'other' does not
@@ -555,10 +551,6 @@ def _server_pid(lock_dir: Path) -> int:
     pytest.fail(f"no pearing-mcp process for {lock_dir}")
 
 
-@pytest.mark.etcd_xfail(
-    "the server leaks directory fds on etcd: 40 rounds of get/heartbeat/list/unknown-get leave a few more "
-    "open (status no longer leaks one per lock; another path still does)"
-)
 async def test_many_calls_do_not_leak_file_descriptors(
     server_args: list[str], tmp_path: Path, agents: set[int]
 ) -> None:

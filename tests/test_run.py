@@ -222,11 +222,6 @@ def test_everything_released_before_the_wrapper_exits(backend: str, procs: Procs
         assert procs.pr_run("--job", "J", "--", "true").returncode == 0
 
 
-@pytest.mark.etcd_xfail(
-    "pearing-run returns while a guarded side effect its COMMAND left behind is still in flight (only the "
-    "next holder waits for the guard key), so a run started right after it returns exits 75 although "
-    "status shows the lock free; the lock dir holds the release, and the wrapper, until the guard ends"
-)
 def test_wrapper_waits_for_a_slow_release(backend: str, procs: Procs, work: Path) -> None:
     """Release is held up by a guarded side effect still in flight (COMMAND left a
     ``pearing-guard exec`` running behind it): pearing-run must not return before the

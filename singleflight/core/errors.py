@@ -66,6 +66,14 @@ class UnknownTicket(NotHeld):
         super().__init__(ticket_id, "unknown ticket")
 
 
+class UnknownLock(NotHeld):
+    """A ticket looked up in a lock that does not exist in the scope (no record of it at all)."""
+
+    def __init__(self, repo: str, lock: str) -> None:
+        self.repo, self.lock = repo, lock
+        super().__init__("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}")
+
+
 class StaleFence(PearingError):
     exit_code = ExitCode.REFUSED
 

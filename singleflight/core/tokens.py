@@ -122,8 +122,9 @@ class Claim:
         tid = ticket_id if ticket_id is not None else self.ticket_id or ""
         return Verdict(False, reason, lock=self.lock, repo=self.repo, ticket_id=tid, fence=fence)
 
-    def live(self, fence: int | None) -> Verdict:
-        return Verdict(True, "live", lock=self.lock, repo=self.repo, ticket_id=self.ticket_id or "", fence=fence)
+    def live(self, fence: int | None, *, ticket_id: str | None = None) -> Verdict:
+        tid = ticket_id if ticket_id is not None else self.ticket_id or ""
+        return Verdict(True, "live", lock=self.lock, repo=self.repo, ticket_id=tid, fence=fence)
 
 
 def _read_token_file(path: str) -> bytes | Verdict:

@@ -30,7 +30,7 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownTicket
+from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
@@ -131,8 +131,10 @@ class EtcdPlace:
 class EtcdLock:
     """One (scope, lock) in the cluster."""
 
-    def __init__(self, backend: EtcdBackend, repo: str, lock: str) -> None:
+    def __init__(self, backend: EtcdBackend, repo: str, lock: str, *, must_exist: bool = False) -> None:
         self.backend, self.repo, self.lock = backend, repo, lock
+        # Opened without ``create``: a ticket looked up in a lock with no key at all names the lock.
+        self.must_exist = must_exist
         self.cluster = backend.cluster
         self.mutex = Mutex(self.cluster, repo, lock)
         self._leases: dict[str, int] = {}
@@ -343,12 +345,22 @@ class EtcdLock:
     def _existing(self, ticket_id: str) -> Ticket:
         found = self.mutex.ticket(ticket_id)
         if found is None:
+            self._lock_must_exist()
             raise UnknownTicket(ticket_id)
         return found[0]
 
+    def _lock_must_exist(self) -> None:
+        """After a ticket was not found: as the lock dir does, say so when its lock does not exist
+        at all. Only then, so the hot paths pay no extra read."""
+        if self.must_exist and not self.mutex.exists():
+            raise UnknownLock(self.repo, self.lock)
+
     def read(self, ticket_id: str) -> Ticket | None:
         found = self.mutex.ticket(ticket_id)
-        return found[0] if found else None
+        if found is None:
+            self._lock_must_exist()
+            return None
+        return found[0]
 
     def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
         key = self.mutex.q + ticket_id
@@ -451,6 +463,7 @@ class EtcdLock:
         """
         found = self.mutex.ticket(ticket_id)
         if found is None:
+            self._lock_must_exist()
             raise UnknownTicket(ticket_id)
         t, kv = found
         if kv is None or not t.live:
@@ -580,7 +593,10 @@ class EtcdBackend:
         self.cluster = Cluster(url)
 
     def close(self) -> None:
-        """Connections close with the process; nothing else is held."""
+        """Close the connections to the members now: a server (pearing-mcp) opens a backend per
+        call, and one kept alive by an exception's traceback would hold its sockets until the
+        garbage collector runs."""
+        self.cluster.close()
 
     def __enter__(self) -> EtcdBackend:
         return self
@@ -589,7 +605,7 @@ class EtcdBackend:
         self.close()
 
     def lock(self, repo: str, lock: str, *, create: bool = True) -> EtcdLock:
-        return EtcdLock(self, names.scope(repo), names.lock_name(lock))
+        return EtcdLock(self, names.scope(repo), names.lock_name(lock), must_exist=not create)
 
     def read_activity(self, identity: str) -> str | None:
         kv = self.cluster.get(f"{self.cluster.root}activity/{identity}")
@@ -625,31 +641,34 @@ class EtcdBackend:
         return out
 
     def verify(self, claim: Claim) -> Verdict:
-        if not claim.ticket_id:
-            from singleflight.core.errors import UsageError
-
-            raise UsageError("on etcd, verify needs the ticket: PEARING_TICKET or a token file")
         try:
-            ok, reason, fence = recipe.verify(
+            ok, reason, fence, ticket_id = recipe.verify(
                 self.cluster, claim.repo, claim.lock, claim.ticket_id, token_hash(claim.token)
             )
         except BackendUnavailable as exc:
-            ok, reason, fence = False, str(exc), None
+            ok, reason, fence, ticket_id = False, str(exc), None, None
         if ok:
-            return claim.live(fence)
-        return claim.refuse(reason, fence=fence)
+            return claim.live(fence, ticket_id=ticket_id)
+        return claim.refuse(reason, ticket_id=ticket_id, fence=fence)
 
     @contextmanager
     def hold_off(self, claim: Claim, seconds: float) -> Iterator[Verdict]:
-        if not claim.ticket_id:
-            raise NotHeld("-", "unknown token: on etcd a guard needs the ticket id")
-        held = recipe.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id, seconds)
+        tid = claim.ticket_id
+        if not tid:
+            # PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone: the guard key names the ticket,
+            # so find it by its token first (verified again below, once the key is in place).
+            found = self.verify(claim)
+            if not found.ok:
+                raise NotHeld(found.ticket_id or "-", found.reason)
+            tid = found.ticket_id
+            claim = Claim(claim.lock, claim.repo, tid, claim.token, lock_dir=claim.lock_dir, backend=claim.backend)
+        held = recipe.hold_guard(self.cluster, claim.repo, claim.lock, tid, seconds)
         if held is None:
-            raise NotHeld(claim.ticket_id, "unknown token or lease expired")
+            raise NotHeld(tid, "unknown token or lease expired")
         try:
             verdict = self.verify(claim)
             if not verdict.ok:
-                raise NotHeld(claim.ticket_id, verdict.reason)
+                raise NotHeld(tid, verdict.reason)
             yield verdict
         finally:
             self.cluster.revoke(held[1])

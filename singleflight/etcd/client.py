@@ -103,6 +103,12 @@ class Cluster:
         self._conns: list[Conn | None] = [None] * len(self.endpoints)  # made when first needed
         self.current = 0  # the member that answered last: requests (and watches) go there first
 
+    def close(self) -> None:
+        """Close the kept-alive connections (a later request opens a new one)."""
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         payload = json.dumps(body).encode()
         errors = []

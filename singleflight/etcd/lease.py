@@ -11,6 +11,7 @@ period is enough, whatever the etcd lease's TTL. The etcd lease only proves the 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -31,6 +32,13 @@ _SETTLE_AFTER = 0.1
 _KEEP_AT_MOST_EVERY = 3600.0
 # How long after the hand-over the old holder cleans up (see ``housekeeping``).
 _HOUSEKEEPING_AFTER = 0.2
+# How often ``end`` tries its txn (a heartbeat or a new guarded command may come in between),
+# and how often of these it waits for guarded commands of its ticket before the token dies
+# regardless (a COMMAND starting pearing-guard exec after exec, each racing the end).
+_END_TRIES = 8
+_END_GUARD_ROUNDS = 4
+# While ``end`` waits for a guarded command, the lease is kept alive at least this often.
+_GUARD_KEEP_EVERY = 1.0
 
 
 def margin_for(ttl: int, kill_grace: float, request_timeout: float) -> float:
@@ -281,24 +289,33 @@ class EtcdLease:
         return None
 
     def end(self, state: str, reason: str) -> None:
-        """The token dies. Released (COMMAND has ended): the key goes in the same txn, and the next
-        waiter is woken one round trip after COMMAND's end. Otherwise the key stays, marked
-        ended, until ``release``: the lock is ours while COMMAND is being stopped."""
+        """The token dies, after the guarded commands of its ticket (``pearing-guard exec``, each a
+        key of its own, on a lease of its --max-seconds) have ended: expiry and release wait for
+        them, as on the lock dir, with our lease kept alive meanwhile. Released (COMMAND has
+        ended): the key goes in the same txn, and the next waiter is woken one round trip after
+        COMMAND's end. Otherwise the key stays, marked ended, until ``release``: the lock is ours
+        while COMMAND is being stopped."""
         if self.unreachable:
             return  # stopping COMMAND must not wait on a cluster we cannot reach
-        t = self.ticket
-        t.state, t.end_reason, t.ended_at = state, reason, time.time()
-        body = self._body()
-        mine = self.mutex.e + t.ticket_id
-        record = op_put(mine, body, self.keep_lease or self.lease)
-        ops = [record, op_put(self.mutex.base + "last", str(self.fence).encode())]
-        ops.append(op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease))
+        t, g = self.ticket, self.mutex.g
+        # No guard key at all, the usual case: one txn, as without guards. Else: none of ours
+        # since the revision at which we saw the last one go.
+        guarded: dict[str, Any] | None = cmp(g, "CREATE", "EQUAL", 0, prefix=True)
+        rounds = 0
         with contextlib.suppress(BackendUnavailable, Refused):
-            for _ in range(3):
+            for _ in range(_END_TRIES):
+                t.state, t.end_reason, t.ended_at = state, reason, time.time()
+                body = self._body()
+                ops = [
+                    op_put(self.mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
+                    op_put(self.mutex.base + "last", str(self.fence).encode()),
+                    op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease),
+                ]
+                mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
                 r = self.cluster.txn(
-                    [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)],
+                    mine + ([guarded] if guarded else []),
                     ops,
-                    [op_range(self.key)],
+                    [op_range(self.key), op_range(g, prefix=True, limit=1, keys_only=True)],
                 )
                 if r.get("succeeded"):
                     self.ended = body
@@ -308,7 +325,25 @@ class EtcdLease:
                 cur = parse(now[0]["value"]) if now and now[0]["create_revision"] == self.fence else None
                 if cur is None or not cur.live:
                     return  # gone, or ended by its owner (release-lock-ticket): that end record stands
-                self.mod = now[0]["mod_revision"]  # a heartbeat came in between
+                if now[0]["mod_revision"] != self.mod:
+                    self.mod = now[0]["mod_revision"]  # a heartbeat came in between
+                elif guarded is not None and ranged(r, 1)[0]:
+                    rounds += 1
+                    at = self._await_guards() if rounds <= _END_GUARD_ROUNDS else None
+                    guarded = None if at is None else cmp(g, "CREATE", "LESS", at + 1, prefix=True)
+                else:
+                    return  # not ours to end any more (the next check says why)
+
+    def _await_guards(self) -> int | None:
+        """Until no guarded command of our ticket is in flight, our lease kept alive meanwhile;
+        the revision at which none was. None: our lease lapsed, or the cluster was out of reach
+        until the cut-off (COMMAND must be stopped now, while the lease is still ours)."""
+
+        def until() -> float:
+            return -math.inf if self.lapsed else self._cut_off()
+
+        every = min(_GUARD_KEEP_EVERY, self.ttl / 4)
+        return self.mutex.wait_guards_of(self.ticket.ticket_id, until, self._keepalive, every)
 
     def keep(self) -> None:
         if not self.unreachable:

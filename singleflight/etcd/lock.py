@@ -227,6 +227,30 @@ class Mutex:
             finally:
                 watch.close()
 
+    def wait_guards_of(
+        self, ticket_id: str, until: Callable[[], float], tick: Callable[[], None], every: float
+    ) -> int | None:
+        """Until no guarded command of ``ticket_id`` is in flight (its ``pearing-guard exec`` keys
+        gone, revoked or lapsed): the revision at which none was; None once ``until()`` passed
+        first. ``tick()`` runs every ``every`` seconds meanwhile (the holder's keepalive)."""
+        owner = ticket_id.encode()
+        while True:
+            guards, at = self.cluster.range_prefix(self.g)
+            mine = [kv for kv in guards if kv["value"] == owner]
+            if not mine:
+                return at
+            watch = DeleteWatch(self.cluster, mine[0]["key"], at)
+            try:
+                while not watch.deleted:
+                    end = until()
+                    if time.monotonic() >= end:
+                        return None
+                    if not watch.wait(min(end, time.monotonic() + every)):
+                        tick()
+                        break  # look again: it may have lapsed unseen on a dead member
+            finally:
+                watch.close()
+
     # -- the queue as it stands ------------------------------------------------------
 
     def queue(self, *, keys_only: bool = False) -> tuple[list[dict[str, Any]], int]:
@@ -237,6 +261,11 @@ class Mutex:
         r = self.cluster.txn([], [op_range(self.q, prefix=True, sort="ASCEND", limit=1, keys_only=True)], [])
         kvs = ranged(r, 0)[0]
         return kvs[0] if kvs else None
+
+    def exists(self) -> bool:
+        """Any key of this lock at all (its queue, a ticket or end record, a request, its last fence)?"""
+        r = self.cluster.txn([], [op_range(self.base, prefix=True, limit=1, keys_only=True)], [])
+        return bool(ranged(r, 0)[0])
 
     # -- tickets ---------------------------------------------------------------
 
@@ -465,51 +494,71 @@ def foreign(kv: dict[str, Any], position: int, repo: str, lock: str, lease_left:
 # -- the guard's side --------------------------------------------------------------------
 
 
-def verify(cluster: Cluster, repo: str, lock: str, ticket_id: str, token_hash: str) -> tuple[bool, str, int | None]:
-    """(live, reason, fence) for a token of a ticket held in etcd.
+def verify(
+    cluster: Cluster, repo: str, lock: str, ticket_id: str | None, token_hash: str
+) -> tuple[bool, str, int | None, str | None]:
+    """(live, reason, fence, ticket id) for a token of a ticket held in etcd.
 
     Live means what the holder itself believes: our key first in line, its token not
     ended, its recorded lease deadline not passed, and its etcd lease further from
     expiry than the margin at which a holder cut off from the cluster gives up.
+
+    Without ``ticket_id`` (PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone) the ticket
+    is the one in line whose token hash matches, found in the same single read (the whole
+    line, with values). A token not in line is unknown, as the lock dir, which looks only
+    among its live tickets, says too.
     """
     import hmac
 
     el = Mutex(cluster, repo, lock)
-    r = cluster.txn(
-        [],
-        [
-            op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True),
-            op_range(el.q + ticket_id),
-            op_range(el.e + ticket_id),
-            op_range(el.base + "last"),
-        ],
-        [],
-    )
-    (first, _), (mine, _), (ended, _), (last, _) = (ranged(r, i) for i in range(4))
+
+    if ticket_id:
+        r = cluster.txn(
+            [],
+            [
+                op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True),
+                op_range(el.q + ticket_id),
+                op_range(el.e + ticket_id),
+                op_range(el.base + "last"),
+            ],
+            [],
+        )
+        (first, _), (mine, _), (ended, _), (last, _) = (ranged(r, i) for i in range(4))
+    else:
+        line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
+        first, ended, last = line[:1], [], []
+        for kv in line:
+            t = parse(kv["value"])
+            # Constant-time compare: a forger learns nothing from timing.
+            if t is not None and hmac.compare_digest(t.token_hash or "", token_hash):
+                mine, ticket_id = [kv], t.ticket_id
+                break
+        else:
+            mine = []
     if not mine:
         t = parse(ended[0]["value"]) if ended else None
         if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
             newer = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
             if newer is not None and t.fence is not None and newer > t.fence:
-                return False, f"superseded by fence {newer}", t.fence
-            return False, f"{t.state} ({t.end_reason})", t.fence
-        return False, "unknown or forged token (or its lease expired)", None
+                return False, f"superseded by fence {newer}", t.fence, ticket_id
+            return False, f"{t.state} ({t.end_reason})", t.fence, ticket_id
+        return False, "unknown or forged token (or its lease expired)", None, None
     kv = mine[0]
     t = parse(kv["value"])
     if t is None or not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
-        return False, "unknown or forged token", None
+        return False, "unknown or forged token", None, None
     fence = kv["create_revision"]
     if first[0]["key"] != kv["key"]:
-        return False, "not the holder: waiting in line", None
+        return False, "not the holder: waiting in line", None, ticket_id
     if not t.live:
-        return False, t.describe_end(), fence
+        return False, t.describe_end(), fence, ticket_id
     due = deadline_mono(t)
     if due is not None and due <= time.monotonic():
-        return False, f"lease expired at {rfc3339(t.lease_expires_at)}", fence
+        return False, f"lease expired at {rfc3339(t.lease_expires_at)}", fence, ticket_id
     left = cluster.ttl(kv["lease"])  # whole seconds, rounded down
     if left <= margin_of(kv["value"]):
-        return False, "lease expired: its holder cannot reach the cluster", fence
-    return True, "live", fence
+        return False, "lease expired: its holder cannot reach the cluster", fence, ticket_id
+    return True, "live", fence, ticket_id
 
 
 def _int(raw: bytes) -> int | None:

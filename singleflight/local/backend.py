@@ -28,7 +28,7 @@ from singleflight.core.const import (
     SUPERSEDED,
     WAITING,
 )
-from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import Claim, Verdict
@@ -470,7 +470,7 @@ class LocalBackend:
         try:
             return LocalLock(self, self.dir.lock_store(repo, lock, create=create))
         except FileNotFoundError:
-            raise NotHeld("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}") from None
+            raise UnknownLock(repo, lock) from None
 
     def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
         out = []
