@@ -65,12 +65,14 @@ class EtcdPlace:
         self.lk, self.ticket, self.lease, self.grip = lk, ticket, lease, grip
         self.kv = kv  # our key, once in line (a CLI ticket's agent finds it there already)
         self.waiting_lease = 0
+        self.waiting_kept = 0.0  # when a keepalive of the waiting lease that succeeded was sent
         self.keep_lease = 0
         self.gone = False
 
     def queue(self, deadline: float) -> int:
         mutex = self.lk.mutex
         # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
+        self.waiting_kept = time.monotonic()
         self.waiting_lease = self.lk.cluster.grant(WAIT_TTL)
         if self.kv is None:
             self.kv, ahead = mutex.join(self.ticket, self.waiting_lease)
@@ -111,6 +113,7 @@ class EtcdPlace:
             kept_at=self.lk.kept_at(tid),
             token=self.lk.token_of(tid),
             waiting_lease=self.waiting_lease,
+            waiting_kept_at=self.waiting_kept,
             keep_lease=self.keep_lease,
         )
         return self.grip
@@ -119,7 +122,11 @@ class EtcdPlace:
         """Every second while waiting: keep our place and the holder's lease. A waiter frozen
         (^Z) renews neither: its key leaves the line within WAIT_TTL, and once resumed it never
         takes the lock after its own deadline (``wait``)."""
-        return self.lk.cluster.keepalive(self.waiting_lease) > 0 and self.lk.keep_hold(self.ticket)
+        sent = time.monotonic()
+        if self.lk.cluster.keepalive(self.waiting_lease) <= 0:
+            return False
+        self.waiting_kept = sent
+        return self.lk.keep_hold(self.ticket)
 
     def leave(self) -> None:
         if self.grip is None:

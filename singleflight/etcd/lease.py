@@ -72,12 +72,15 @@ class EtcdGrip:
         kept_at: float,
         token: str,
         waiting_lease: int = 0,
+        waiting_kept_at: float = 0.0,
         keep_lease: int = 0,
     ) -> None:
         self.cluster, self.lease, self.kv, self.token = cluster, lease, kv, token
         self.waiting_lease = waiting_lease
         self.keep_lease = keep_lease  # an hour's lease for the end record, granted while waiting
-        self.kept_at = kept_at  # when the last keepalive of every lease the key may ride on was sent
+        # When the last keepalive that succeeded was sent, of the holder's lease and of the
+        # waiting lease (which the key rides on until the holder settles).
+        self.kept_at, self.waiting_kept_at = kept_at, waiting_kept_at
         self.ttl = ttl
         # A promoted waiter's key rides on its waiting lease until the holder settles; at most
         # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
@@ -89,19 +92,21 @@ class EtcdGrip:
     def keep(self) -> None:
         with contextlib.suppress(BackendUnavailable, Refused):
             sent = time.monotonic()
-            alive = self.cluster.keepalive(self.lease) > 0
-            if self.waiting_lease:
-                alive = self.cluster.keepalive(self.waiting_lease) > 0 and alive
-            if alive:
+            if self.cluster.keepalive(self.lease) > 0:
                 self.kept_at = sent
+            if self.waiting_lease and self.cluster.keepalive(self.waiting_lease) > 0:
+                self.waiting_kept_at = sent
 
     def still_ours(self) -> bool:
-        """Every lease the key may ride on kept alive within half the shorter TTL: certainly
-        ours, no request (the usual hand-over). Else (wrapper and holder were both frozen, or
-        the cluster was slow) look: a lease that lapsed took the key with it, and the next
-        waiter may be running already."""
-        shorter = min(self.ttl, WAIT_TTL) if self.waiting_lease else self.ttl
-        if time.monotonic() - self.kept_at < shorter / 2:
+        """Every lease the key may ride on kept alive within half its TTL: certainly ours, no
+        request (the usual hand-over). Else (wrapper and holder were both frozen, or the
+        cluster was slow) look: a lease that lapsed took the key with it, and the next waiter
+        may be running already."""
+        now = time.monotonic()
+        fresh = now - self.kept_at < self.ttl / 2
+        if self.waiting_lease:
+            fresh = fresh and now - self.waiting_kept_at < WAIT_TTL / 2
+        if fresh:
             return True
         self.keep()
         try:
