@@ -1,6 +1,7 @@
 """Event-driven concurrency on etcd, on a real 3-member cluster: what only etcd has. A
 `latest` arrival takes over the older waiter's queue key (its create revision is the place
-in line and, once held, the fence). The behaviour both backends share is in test_events.py."""
+in line and, once held, the fence); a cancel-in-progress request travels through the
+cluster alone. The behaviour both backends share is in test_events.py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 
 import pytest
 from etcd_cluster import Cluster
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
-from singleflight.etcd.lock import WAIT_TTL, Mutex, parse
+from singleflight.etcd.client import cmp, op_put
+from singleflight.etcd.lock import WAIT_TTL, Mutex, margin_of, owner_of, parse, value
 
 
 @pytest.fixture
@@ -120,3 +122,47 @@ def test_the_run_that_took_a_place_holds_with_that_keys_revision(
     assert int(fence) > int((work / "h.fence").read_text())
     assert ticket != carried(taken)
     assert get_ticket(procs, job, ticket)["state"] == "released"
+
+
+def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
+    procs: Procs, work: Path, job: str, on_etcd: str
+) -> None:
+    """What a newcomer on another host does, from a process that signals nothing: a
+    compare-and-swap of ``superseded_by`` into the holder's key. The holder watches its key,
+    so it stops long before its own next look (a third of its 300 s lease): token dead first
+    (the guard refuses it inside COMMAND's TERM trap), COMMAND stopped, run exits busy."""
+    client = Client(on_etcd)
+    verdict = work / "verdict"
+    gate = Gate(work)
+    token = q(work / "token")
+    script = (
+        f"cp $PEARING_TOKEN_FILE {token}; "
+        f"trap '{PEARING_GUARD} verify --token-file {token} >/dev/null 2>&1; echo $? > {q(verdict)}; exit 0' TERM; "
+        f"{gate.script()}"
+    )
+    old = procs.pr(
+        "-v", "--job", job, "--cancel-in-progress", "--lease-seconds", "300", "--kill-grace", "5",
+        "--", "sh", "-c", script,
+    )  # fmt: skip
+    gate.wait_ready()
+
+    def settled() -> dict[str, Any] | None:
+        holder = lock_status(procs, job)["holder"]
+        return holder if holder and holder["holder_pid"] != old.pid else None
+
+    assert wait_for(settled, 15, "the holder to settle")["cancel_in_progress"] is True
+    (kv,) = line(on_etcd, job)
+    key, raw, lease = kv["key"], kv["value"], kv["lease"]
+    t = parse(raw)
+    assert t is not None
+    by = t.superseded_by = str(uuid.uuid4())
+    body = value(t, lease, margin=margin_of(raw) or None, owner=owner_of(raw))
+    r = client.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, lease)], [])
+    assert r.get("succeeded"), r
+    asked = time.monotonic()
+    r_old = procs.finish(old, timeout=60)
+    assert time.monotonic() - asked < 30.0, "noticed at its next look, not through the watch"
+    assert r_old.returncode == ExitCode.BUSY, r_old
+    assert superseded_by(r_old.err_lines, job) == by
+    assert verdict.read_text().strip() == str(int(ExitCode.REFUSED))
+    assert lock_status(procs, job)["state"] == "free"

@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 from test_hardening import intervals, logged, started
 
@@ -54,10 +53,6 @@ def test_a_newer_latest_waiter_replaces_the_older_and_fifo_waiters_keep_their_or
     assert order == ["F1", "L2", "F2"], order
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a cancel-in-progress request does not reach an etcd holder (it would need a key "
-    "the holder watches); the lock dir has it"
-)
 def test_cancel_in_progress_stops_an_opted_in_holder_safely(backend: str, procs: Procs, work: Path) -> None:
     log = work / "log"
     old = procs.pr(
@@ -108,10 +103,6 @@ def test_status_shows_queue_mode_and_a_holder_being_cancelled(backend: str, proc
     assert procs.finish(waiter).returncode == 0
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a cancel-in-progress request does not reach an etcd holder (it would need a key "
-    "the holder watches); the lock dir has it"
-)
 def test_the_lock_api_takes_queue_and_cancel_in_progress(backend: str, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("--job", "a42", "--cancel-in-progress", "--kill-grace", "2", "--", "sh", "-c", gate.script())

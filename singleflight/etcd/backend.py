@@ -270,8 +270,8 @@ class EtcdLock:
         return EtcdPlace(self, ticket, lease, None, kv=adopted)
 
     def cancel_holder(self, ticket: Ticket) -> float | None:
-        """Not yet on etcd: an opted-in holder there is left alone, as one that did not opt in."""
-        return None
+        """Through the cluster only (no signal): the holder watches its key (``EtcdLease``)."""
+        return events.request_cancel(self.mutex, ticket)
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
         """The key is first in line and its token's hash is in it since it joined: nothing to

@@ -1,4 +1,4 @@
-"""Event-driven concurrency on etcd: ``--queue latest``.
+"""Event-driven concurrency on etcd: ``--queue latest`` and ``--cancel-in-progress``.
 
 A ``latest`` arrival takes the place of the older ``latest`` waiters. On etcd a place in
 line is the create revision of a queue key, and a put keeps a key's create revision:
@@ -7,17 +7,24 @@ compare-and-swap on each one's mod revision, its ticket put in the key on the
 newcomer's waiting lease, the others' keys deleted, an end record ``superseded by
 NEW`` written for each). ``a/NEW`` names the key it now sits in. Each superseded
 waiter watches its own key while it waits and leaves busy at once.
+
+A cancel-in-progress request travels through the cluster alone: a compare-and-swap
+sets ``superseded_by`` in the holder's own key, which an opted-in holder watches
+(``EtcdLease``). The holder then stops as on any loss: token dead, COMMAND stopped,
+lock released, and its run exits busy.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
-from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, QUEUE_LATEST, SUPERSEDED
+from singleflight.core import proc
+from singleflight.core.const import CANCELLED, DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST, SUPERSEDED
 from singleflight.core.ticket import Ticket
-from singleflight.etcd.client import cmp, op_delete, op_put, op_range, ranged, revision
-from singleflight.etcd.lock import Mutex, parse, value
+from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.etcd.lock import Mutex, margin_of, owner_of, parse, value
 
 
 def join_latest(
@@ -112,3 +119,35 @@ def _take_over(
         return None
     kv = dict(target, value=body, mod_revision=revision(r), lease=lease)
     return kv, ranged(r, 0)[1]
+
+
+def request_cancel(mutex: Mutex, ticket: Ticket) -> float | None:
+    """--cancel-in-progress: ask the holder to stop, if it opted in too, by setting its
+    ``superseded_by`` (compare-and-swap on its key). Its kill grace; None if it did not opt
+    in, is ours, is another client's (``etcdctl lock``), ended, or dead (on this host)."""
+    for _ in range(5):
+        r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
+        head = ranged(r, 0)[0]
+        kv = head[0] if head else None
+        h = parse(kv["value"]) if kv is not None else None
+        if kv is None or h is None or not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id:
+            return None
+        owner = owner_of(kv["value"])
+        here = h.holder_host == os.uname().nodename
+        if here and not proc.alive(h.holder_pid, h.holder_start) and not proc.alive(*owner):
+            return None  # its lease lapses by itself
+        grace = h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE
+        if h.superseded_by:
+            return grace  # asked already: the first request stands
+        h.superseded_by = ticket.ticket_id
+        body = value(h, kv["lease"], margin=margin_of(kv["value"]) or None, owner=owner)
+        try:
+            r = mutex.cluster.txn(
+                [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])], [op_put(kv["key"], body, kv["lease"])], []
+            )
+        except Refused:
+            return None  # its lease went meanwhile
+        if r.get("succeeded"):
+            return grace
+        # A heartbeat or the holder settling came in between: look again.
+    return None
