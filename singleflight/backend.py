@@ -104,6 +104,11 @@ class Lease(Protocol):
     def keep(self) -> None:
         """While COMMAND is being stopped: keep the lock ours a while longer; never raises."""
 
+    def wake_fd(self) -> int | None:
+        """An fd that turns readable when the backend has news for this lease (on etcd: an
+        opted-in holder's key changed, as a cancel-in-progress request does); the holder then
+        calls ``check``. None: no such fd now (asked again before every wait)."""
+
     def prepare_request(self, window: float) -> None:
         """Before COMMAND starts: make recording its success unable to fail for lack of space."""
 

@@ -146,7 +146,17 @@ class Holder:
             if self._renewing():
                 deadlines.append(renew_at)
             timeout_ms = min(_MAX_POLL_MS, max(0, int((min(deadlines) - now) * 1000) + 1))
-            for fd, _ev in poller.poll(timeout_ms):
+            # The backend's news for the lease (an etcd holder's key changed: a cancel request).
+            # Registered for this poll only: ``check`` may close it, and its number be reused.
+            news = self.lease.wake_fd()
+            if news is not None:
+                poller.register(news, select.POLLIN)
+            try:
+                ready = poller.poll(timeout_ms)
+            finally:
+                if news is not None:
+                    poller.unregister(news)
+            for fd, _ev in ready:
                 if fd == self.wake_r:
                     self._on_signals(os.read(self.wake_r, 64))
                 elif self.chan is not None and fd == self.chan.rfd:
@@ -160,6 +170,8 @@ class Holder:
                     if self.chan is None or self.chan.eof:
                         # The wrapper was killed (or the Lock's process died): status unknown.
                         self.finish(None)
+                elif fd == news:
+                    self._check_lease()
             now = time.monotonic()
             # A deadline is checked before any renewal: a holder frozen past its lease
             # (SIGSTOP, a paused VM) must lose it, never renew a lapsed lease.

@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 from test_hardening import intervals, logged, started
 
@@ -21,10 +20,6 @@ def waiters(procs: Procs, job: str) -> list[dict[str, object]]:
     return list(locks[0]["waiters"]) if locks else []
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a `latest` waiter does not cancel older ones there, and a cancel-in-progress "
-    "request does not reach an etcd holder (it would need a key the holder watches); the lock dir has both"
-)
 def test_a_newer_latest_waiter_replaces_the_older_and_fifo_waiters_keep_their_order(
     backend: str, procs: Procs, work: Path
 ) -> None:
@@ -58,10 +53,6 @@ def test_a_newer_latest_waiter_replaces_the_older_and_fifo_waiters_keep_their_or
     assert order == ["F1", "L2", "F2"], order
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a `latest` waiter does not cancel older ones there, and a cancel-in-progress "
-    "request does not reach an etcd holder (it would need a key the holder watches); the lock dir has both"
-)
 def test_cancel_in_progress_stops_an_opted_in_holder_safely(backend: str, procs: Procs, work: Path) -> None:
     log = work / "log"
     old = procs.pr(
@@ -98,10 +89,6 @@ def test_a_holder_that_did_not_opt_in_is_never_cancelled(backend: str, procs: Pr
     assert procs.finish(holder).returncode == 0
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a `latest` waiter does not cancel older ones there, and a cancel-in-progress "
-    "request does not reach an etcd holder (it would need a key the holder watches); the lock dir has both"
-)
 def test_status_shows_queue_mode_and_a_holder_being_cancelled(backend: str, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("--job", "s42", "--queue", "latest", "--cancel-in-progress", "--", "sh", "-c", gate.script())
@@ -116,10 +103,6 @@ def test_status_shows_queue_mode_and_a_holder_being_cancelled(backend: str, proc
     assert procs.finish(waiter).returncode == 0
 
 
-@pytest.mark.etcd_xfail(
-    "not built on etcd yet: a `latest` waiter does not cancel older ones there, and a cancel-in-progress "
-    "request does not reach an etcd holder (it would need a key the holder watches); the lock dir has both"
-)
 def test_the_lock_api_takes_queue_and_cancel_in_progress(backend: str, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("--job", "a42", "--cancel-in-progress", "--kill-grace", "2", "--", "sh", "-c", gate.script())
@@ -134,3 +117,34 @@ def test_the_lock_api_takes_queue_and_cancel_in_progress(backend: str, procs: Pr
     fence, promoted = r.stdout.split()
     assert int(fence) >= 2 and promoted == b"True"
     assert procs.finish(holder).returncode == ExitCode.BUSY
+
+
+def test_a_latest_lock_waiter_is_superseded_by_a_newer_latest_run(backend: str, procs: Procs, work: Path) -> None:
+    """A ticket of the agent's (``Lock``, pearing-cli) is in line from its creation: a newer
+    `latest` run takes its place all the same, and the ``Lock`` is Busy without entering."""
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", "w42", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    code = (
+        "from singleflight import Busy, Lock\n"
+        "try:\n"
+        "    with Lock('w42', queue='latest', wait_seconds=60):\n"
+        "        print('entered')\n"
+        "except Busy as exc:\n"
+        "    print('busy', exc.ticket['state'], exc.ticket['superseded_by'])\n"
+    )
+    old = procs.start([sys.executable, "-c", code])
+    wait_for(lambda: [w["queue_mode"] for w in waiters(procs, "w42")] == ["latest"], 15, "the Lock to queue")
+    (before,) = waiters(procs, "w42")
+    new = procs.pr("--job", "w42", "--queue", "latest", "--wait-seconds", "60", "--", *logged(log, "NEW", seconds=0))
+    r = procs.finish(old, timeout=30)
+    assert r.returncode == 0, r
+    word, state, by = r.stdout.decode().split()
+    assert (word, state) == ("busy", "cancelled"), r
+    (after,) = waiters(procs, "w42")
+    assert after["ticket_id"] == by != before["ticket_id"] and after["queue_position"] == 1
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.finish(new, timeout=60).returncode == 0
+    assert "NEW" in intervals(log)

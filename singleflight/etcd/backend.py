@@ -26,6 +26,7 @@ from singleflight.core.const import (
     ENV_BACKEND,
     EXPIRED,
     HELD,
+    QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
     WAITING,
@@ -35,6 +36,7 @@ from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.core.tokens import Claim, TokenFiles, Verdict, mint_token, token_hash
+from singleflight.etcd import events
 from singleflight.etcd import lock as recipe
 from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
 from singleflight.etcd.lease import EtcdGrip, EtcdLease, margin_for
@@ -74,7 +76,11 @@ class EtcdPlace:
         # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
         self.waiting_kept = time.monotonic()
         self.waiting_lease = self.lk.cluster.grant(WAIT_TTL)
-        if self.kv is None:
+        if self.ticket.queue_mode == QUEUE_LATEST:
+            kv, ahead = events.join_latest(mutex, self.ticket, self.waiting_lease, self.lease, self.kv)
+            self.gone = kv is None  # superseded or cancelled before we got here
+            self.kv = kv or self.kv
+        elif self.kv is None:
             self.kv, ahead = mutex.join(self.ticket, self.waiting_lease)
         else:
             kv, ahead = mutex.rehome(self.kv, self.waiting_lease)
@@ -97,7 +103,10 @@ class EtcdPlace:
             return end
 
         mutex, kv = self.lk.mutex, self.kv
-        outcome, mine = mutex.wait_first(kv["key"], kv["create_revision"], until, self._tick)
+        latest = self.ticket.queue_mode == QUEUE_LATEST
+        outcome, mine = mutex.wait_first(
+            kv["key"], kv["create_revision"], until, self._tick, ticket_id=self.ticket.ticket_id, watch_mine=latest
+        )
         if outcome != FIRST or mine is None:
             return None
         # A waiter frozen (^Z) past its own deadline and resumed never takes the lock. (A
@@ -270,8 +279,8 @@ class EtcdLock:
         return EtcdPlace(self, ticket, lease, None, kv=adopted)
 
     def cancel_holder(self, ticket: Ticket) -> float | None:
-        """Not yet on etcd: an opted-in holder there is left alone, as one that did not opt in."""
-        return None
+        """Through the cluster only (no signal): the holder watches its key (``EtcdLease``)."""
+        return events.request_cancel(self.mutex, ticket)
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
         """The key is first in line and its token's hash is in it since it joined: nothing to
@@ -370,12 +379,12 @@ class EtcdLock:
         return found[0]
 
     def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
-        key = self.mutex.q + ticket_id
         while True:
-            kv = self.cluster.get(key)
+            kv = self.mutex.find(ticket_id)
             t = parse(kv["value"]) if kv is not None else None
             if kv is None or t is None or not t.live:
                 return None
+            key = kv["key"]
             sent = time.monotonic()
             if self.cluster.keepalive(kv["lease"]) <= 0:
                 return None
@@ -391,7 +400,7 @@ class EtcdLock:
                 return t
 
     def waiting_deadline(self, ticket_id: str) -> float:
-        kv = self.cluster.get(self.mutex.q + ticket_id)
+        kv = self.mutex.find(ticket_id)
         t = parse(kv["value"]) if kv is not None else None
         if t is None or not t.live:
             return 0.0
@@ -427,11 +436,11 @@ class EtcdLock:
         Its holder (or waiting agent) enforces it on its own clock. A lapsed lease is
         never revived: refused once the recorded deadline has passed.
         """
-        key = self.mutex.q + ticket_id
         while True:
-            kv = self.cluster.get(key)
+            kv = self.mutex.find(ticket_id)
             if kv is None:
                 raise NotHeld(ticket_id, self._existing(ticket_id).describe_end())
+            key = kv["key"]
             t = parse(kv["value"])
             if t is None:
                 raise UnknownTicket(ticket_id)
@@ -514,14 +523,14 @@ class EtcdLock:
         return self.read(t.ticket_id) or t
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        kv = self.cluster.get(self.mutex.q + ticket_id)
+        kv = self.mutex.find(ticket_id)
         if kv is not None:
             end = time.monotonic() + wait_seconds
-            self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end)
+            self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end, ticket_id=ticket_id)
 
     def view(self, t: Ticket) -> dict[str, Any]:
         position = token_file = None
-        kv = self.cluster.get(self.mutex.q + t.ticket_id) if t.live else None
+        kv = self.mutex.find(t.ticket_id) if t.live else None
         if kv is not None:
             kvs, _ = self.mutex.queue(keys_only=True)
             keys = [k["key"] for k in kvs]

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 import time
 from typing import Any
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
+from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, SUPERSEDED
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.lock import WAIT_TTL, Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
+from singleflight.etcd.watch import KeyWatch
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.
 _RETRY = 0.25
@@ -161,6 +163,8 @@ class EtcdLease:
         self.settled = False
         self.settle_at = time.monotonic() + _SETTLE_AFTER
         self.ended: bytes | None = None
+        # Opted in to cancel-in-progress: a newer run's request arrives as a put on our key.
+        self.watch: KeyWatch | None = None
         self._schedule()
 
     @property
@@ -236,8 +240,10 @@ class EtcdLease:
             t = parse(kv["value"]) if kv is not None else None
             if kv is None or t is None or not t.live or kv["create_revision"] != self.fence:
                 return False  # the next check says why
-            # A heartbeat (pearing-cli) came in between: never write back an older deadline.
+            # A heartbeat (pearing-cli) came in between: never write back an older deadline,
+            # nor drop a cancel request (``check`` acts on it).
             self.mod = kv["mod_revision"]
+            self.ticket.superseded_by = self.ticket.superseded_by or t.superseded_by
             due = deadline_mono(t)
             if due is not None and due > self.deadline:
                 self.deadline = due
@@ -250,12 +256,40 @@ class EtcdLease:
         remembered, so an older token can be told it was superseded."""
         if self._record():
             self.settled = True  # the waiting lease, now empty, lapses within seconds
+            self._watch()
         else:
             self.lapsed = True  # ended, released or lapsed before we could: the check says which
+
+    def _watch(self) -> None:
+        """An opted-in holder watches its key from the last revision it has seen of it, so a
+        cancel request from any host reaches it in moments, not at its next look."""
+        if not self.ticket.cancel_in_progress:
+            return
+        try:
+            if self.watch is not None and self.watch.stream is not None:
+                self.watch.follow(self.cluster.current)  # the member that answered our last request
+            else:
+                self.watch = KeyWatch(self.cluster, self.key, self.mod)
+                self.watch.start()
+        except BackendUnavailable:
+            self.watch = None  # the next check tries again
+
+    def wake_fd(self) -> int | None:
+        return self.watch.fileno() if self.watch is not None and self.watch.stream is not None else None
+
+    def _drain(self) -> None:
+        """Take in what the watch has (the holder polls its fd); ``check`` reads the key anyway."""
+        w = self.watch
+        if w is not None and w.stream is not None and select.select([w], [], [], 0)[0]:
+            try:
+                w.poll()
+            except BackendUnavailable:
+                w.close()
 
     def check(self) -> str | None:
         now = time.monotonic()
         kv = None
+        self._drain()
         try:
             if self.unreachable or now >= self.kept_at + self.ttl / 3:
                 self._keepalive()
@@ -284,12 +318,17 @@ class EtcdLease:
         if not t.live:  # ended by its owner: that end record stands (``end`` leaves it)
             return RELEASED if t.state == RELEASED else t.describe_end()
         self.mod = kv["mod_revision"]
+        if t.superseded_by:  # a newer run that opted in to cancel-in-progress asked us to stop
+            self.ticket.superseded_by = t.superseded_by
+            return f"{SUPERSEDED}{t.superseded_by}"
         due = deadline_mono(t)
         if due is not None and due <= time.monotonic():
             return "lease expired"
         # A heartbeat (pearing-cli, from COMMAND) may have moved it, and with it the lease length.
         self.deadline = due if due is not None else self.deadline
         self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
+        if self.settled:
+            self._watch()
         self._schedule()
         return None
 
@@ -374,6 +413,8 @@ class EtcdLease:
 
     def release(self) -> None:
         """Our key goes: the next waiter is promoted now. (Unreachable: its lease lapses.)"""
+        if self.watch is not None:
+            self.watch.close()
         if self.key_gone:
             return
         with contextlib.suppress(BackendUnavailable, Refused):

@@ -9,6 +9,11 @@ Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
                                      that revision is its fence. Ours are ``q/TICKET`` (the
                                      ticket as JSON); etcd's clients write ``q/LEASEHEX``
                                      with an empty value: foreign holders and waiters.
+                                     A ``--queue latest`` arrival takes over the key of
+                                     the older ``latest`` waiter it supersedes (a put with
+                                     its own ticket: the create revision, so the place in
+                                     line, stays), so a key ``q/OLD`` may carry ticket NEW.
+    /PREFIX/SCOPE/@LOCK/a/TICKET     such a ticket's key name (``q/OLD``), on its holder's lease
     /PREFIX/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new pearing holder
                                      waits for these to go before it proceeds
     /PREFIX/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
@@ -47,7 +52,7 @@ from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, 
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, op_range, ranged, revision
-from singleflight.etcd.watch import DeleteWatch
+from singleflight.etcd.watch import DeleteWatch, KeyWatch, wait_any
 
 # A waiter's key lives this long after its waiter stops renewing it (killed, frozen).
 WAIT_TTL = 3
@@ -66,7 +71,7 @@ class Mutex:
     def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
         self.cluster, self.repo, self.lock = cluster, repo, lock
         self.base = f"{cluster.root}{repo}/@{lock}/"
-        self.q, self.g, self.e, self.r, self.t = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/"))
+        self.q, self.g, self.e, self.r, self.t, self.a = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/", "a/"))
 
     @property
     def prefix(self) -> str:
@@ -92,16 +97,26 @@ class Mutex:
         """Our new key at the end of the line, on the waiting ``lease``: (kv, how many are ahead).
 
         Recorded as promoted: if it is ever held, it waited behind another holder."""
+        joined = self._join(t, lease, [])
+        if joined is None:
+            raise RuntimeError(f"ticket key {self.q}{t.ticket_id} already exists")
+        return joined
+
+    def join_if_no_arrival(self, t: Ticket, lease: int, since: int) -> tuple[dict[str, Any], int] | None:
+        """``join``, only if no key joined the line after revision ``since`` (else None)."""
+        return self._join(t, lease, [cmp(self.q, "CREATE", "LESS", since + 1, prefix=True)])
+
+    def _join(self, t: Ticket, lease: int, checks: list[dict[str, Any]]) -> tuple[dict[str, Any], int] | None:
         t.promoted = True
         key, body = self.q + t.ticket_id, value(t, lease)
         r = self.cluster.txn(
-            [cmp(key, "CREATE", "EQUAL", 0)],
+            [cmp(key, "CREATE", "EQUAL", 0), *checks],
             # The count comes first: it sees the line as it was before our key.
             [op_range(self.q, prefix=True, count_only=True), op_put(key, body, lease)],
             [],
         )
         if not r.get("succeeded"):
-            raise RuntimeError(f"ticket key {key} already exists")
+            return None
         rev = revision(r)
         kv = {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
         return kv, ranged(r, 0)[1]
@@ -122,8 +137,10 @@ class Mutex:
     def rehome(self, kv: dict[str, Any], lease: int) -> tuple[dict[str, Any] | None, int]:
         """Put our key on ``lease`` (same value, same create revision): (kv or None if gone, ahead).
 
-        Compare-and-swap on its mod revision: an owner's heartbeat in between is kept.
+        Compare-and-swap on its mod revision: an owner's heartbeat in between is kept, and a
+        newer ``latest`` ticket that took the key over meanwhile keeps it (None: we are gone).
         """
+        owner = ticket_id_of(kv["value"])
         while True:
             rev = kv["create_revision"]
             t = parse(kv["value"])
@@ -141,9 +158,23 @@ class Mutex:
             if r.get("succeeded"):
                 return dict(kv, value=body, mod_revision=revision(r), lease=lease), ranged(r, 1)[1]
             fresh = ranged(r, 0)[0]
-            if not fresh or fresh[0]["create_revision"] != rev:
+            if not fresh or fresh[0]["create_revision"] != rev or ticket_id_of(fresh[0]["value"]) != owner:
                 return None, 0
             kv = fresh[0]
+
+    def find(self, ticket_id: str) -> dict[str, Any] | None:
+        """The ticket's key in line (None: not in line): ``q/TICKET``, or the key of an older
+        ``latest`` waiter it took over (named by ``a/TICKET``). Either only while it carries
+        this ticket: a newer ``latest`` arrival may have taken it over in turn."""
+        r = self.cluster.txn([], [op_range(self.q + ticket_id), op_range(self.a + ticket_id)], [])
+        (mine, _), (alias, _) = ranged(r, 0), ranged(r, 1)
+        if mine:
+            return mine[0] if ticket_id_of(mine[0]["value"]) == ticket_id else None
+        target = alias[0]["value"].decode(errors="replace") if alias else ""
+        if not target.startswith(self.q):
+            return None
+        kv = self.cluster.get(target)
+        return kv if kv is not None and ticket_id_of(kv["value"]) == ticket_id else None
 
     # -- waiting -----------------------------------------------------------------
 
@@ -167,21 +198,26 @@ class Mutex:
         rev: int,
         until: Callable[[], float],
         tick: Callable[[], bool] | None = None,
+        *,
+        ticket_id: str,
+        watch_mine: bool = False,
     ) -> tuple[str, dict[str, Any] | None]:
-        """Block until our key is first in line (FIRST, its kv), gone or ended (GONE), or ``until()``.
+        """Block until our key is first in line (FIRST, its kv), gone, ended or taken over by
+        another ticket (GONE), or ``until()``.
 
         Like mutex.go, we watch only the key just ahead of ours, from the revision we saw
         it at, and look again when it goes: that one read also says whether our own key is
-        still live and whether a guarded side effect of the previous holder is in flight.
-        Every ``WAIT_TICK`` ``tick()`` renews the waiter's leases (False: ours is gone) and
-        ``until()`` is asked again (a heartbeat may have moved it); the watch moves to the
-        member that answered.
+        still live and ours, and whether a guarded side effect of the previous holder is in
+        flight. With ``watch_mine`` (a ``latest`` waiter, whose key a newer one may take
+        over) we watch our own key too, and look again when it changes. Every ``WAIT_TICK``
+        ``tick()`` renews the waiter's leases (False: ours is gone) and ``until()`` is asked
+        again (a heartbeat may have moved it); the watches move to the member that answered.
         """
         end = until()
         while True:
             pred, mine, guarded, at = self.ahead(key, rev)
             t = parse(mine["value"]) if mine is not None else None
-            if mine is None or (t is not None and not t.live):
+            if mine is None or (t is not None and (not t.live or t.ticket_id != ticket_id)):
                 return GONE, None
             if pred is None and not guarded:
                 return FIRST, mine
@@ -189,24 +225,28 @@ class Mutex:
                 if not self.wait_guards(end, tick):
                     return TIMEOUT, None
                 continue
-            watch = DeleteWatch(self.cluster, pred["key"], at)
+            watches: list[KeyWatch] = [DeleteWatch(self.cluster, pred["key"], at)]
+            if watch_mine:
+                watches.append(KeyWatch(self.cluster, key, at))
             try:
-                while not watch.deleted:
+                while not any(w.fired for w in watches):
                     now = time.monotonic()
                     if now >= end:
                         return TIMEOUT, None
                     next_tick = now + WAIT_TICK
-                    if watch.wait(min(end, next_tick)) or time.monotonic() < next_tick:
+                    if wait_any(watches, min(end, next_tick)) or time.monotonic() < next_tick:
                         continue
                     if tick is not None:
                         if not tick():
                             return GONE, None
                     elif self.cluster.get(pred["key"]) is None:
                         break  # the stream's member may be cut off: we asked another
-                    watch.follow(self.cluster.current)
+                    for w in watches:
+                        w.follow(self.cluster.current)
                     end = until()
             finally:
-                watch.close()
+                for w in watches:
+                    w.close()
 
     def wait_guards(self, deadline: float, tick: Callable[[], bool] | None = None) -> bool:
         """A guarded side effect of the previous holder lands before we proceed (False: the
@@ -271,11 +311,11 @@ class Mutex:
 
     def ticket(self, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
         """The ticket as it stands now (state from the queue), and its queue key."""
-        kv = self.cluster.get(self.q + ticket_id)
+        kv = self.find(ticket_id)
         if kv is not None:
             t = parse(kv["value"])
             if t is None:
-                return None  # a key of another client's, not a ticket
+                return None  # not a ticket (``find`` returns ours only)
             if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
                 return t, kv
             first = self.holder()
@@ -311,18 +351,21 @@ class Mutex:
 
     def cancel(self, t: Ticket, kv: dict[str, Any], reason: str) -> bool:
         """Take a waiting ticket out of the line now, only while someone is still ahead of it:
-        one that reached the head may be starting its COMMAND. False: it is first (or gone)."""
+        one that reached the head may be starting its COMMAND. False: it is first (or gone).
+        Never a key a newer ``latest`` ticket took over meanwhile (compare-and-swap)."""
         keep = 0
         for _ in range(5):
             pred, mine, _, _ = self.ahead(kv["key"], kv["create_revision"])
-            if pred is None or mine is None:
-                return mine is None
+            if mine is None or ticket_id_of(mine["value"]) != t.ticket_id:
+                return True  # gone from the line (superseded: its end record says so)
+            if pred is None:
+                return False
             keep = keep or self.cluster.grant(int(ENDED_TICKET_RETENTION))
             t.state, t.end_reason, t.ended_at = CANCELLED, reason, time.time()
             r = self.cluster.txn(
                 [
                     cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),
-                    cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"]),
+                    cmp(kv["key"], "MOD", "EQUAL", mine["mod_revision"]),
                 ],
                 [op_put(self.e + t.ticket_id, value(t, int(kv["lease"])), keep), op_delete(kv["key"])],
                 [],
@@ -396,6 +439,11 @@ def value(
         ended_at=t.ended_at,
         end_reason=t.end_reason,
         fence=t.fence,
+        queue_mode=t.queue_mode,
+        cancel_in_progress=t.cancel_in_progress,
+        kill_grace=t.kill_grace,
+        # Set by a newer opted-in run: the holder stops (``EtcdLease.check``).
+        superseded_by=t.superseded_by,
         # The lease deadline, on the wall clock for other hosts and on the monotonic
         # clock of the boot that set it (immune to clock jumps on the same host).
         lease_expires_at=t.lease_expires_at,
@@ -417,6 +465,12 @@ def parse(raw: bytes) -> Ticket | None:
         return Ticket.from_dict(json.loads(raw))
     except (ValueError, TypeError, UnicodeDecodeError):
         return None
+
+
+def ticket_id_of(raw: bytes) -> str | None:
+    """The ticket id a queue key carries (None: another client's key)."""
+    t = parse(raw)
+    return None if t is None else t.ticket_id
 
 
 def parse_ticket(raw: bytes) -> Ticket:
@@ -513,17 +567,26 @@ def verify(
     el = Mutex(cluster, repo, lock)
 
     if ticket_id:
+        head = op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True)
         r = cluster.txn(
             [],
             [
-                op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True),
+                head,
                 op_range(el.q + ticket_id),
                 op_range(el.e + ticket_id),
                 op_range(el.base + "last"),
+                op_range(el.a + ticket_id),
             ],
             [],
         )
-        (first, _), (mine, _), (ended, _), (last, _) = (ranged(r, i) for i in range(4))
+        (first, _), (mine, _), (ended, _), (last, _), (alias, _) = (ranged(r, i) for i in range(5))
+        mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
+        target = alias[0]["value"].decode(errors="replace") if alias and not mine else ""
+        if target.startswith(el.q):
+            # It took over an older `latest` waiter's key: the head and that key, at one revision.
+            r = cluster.txn([], [head, op_range(target)], [])
+            (first, _), (mine, _) = ranged(r, 0), ranged(r, 1)
+            mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
     else:
         line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
         first, ended, last = line[:1], [], []
@@ -597,11 +660,13 @@ def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: 
     el = Mutex(cluster, repo, lock)
     lease = cluster.grant(ttl_of(seconds + 2))
     key = el.g + str(uuid.uuid4())
-    r = cluster.txn(
-        [cmp(el.q + ticket_id, "CREATE", "GREATER", 0)],
-        [op_put(key, ticket_id.encode(), lease)],
-        [],
-    )
+    guard = op_put(key, ticket_id.encode(), lease)
+    r = cluster.txn([cmp(el.q + ticket_id, "CREATE", "GREATER", 0)], [guard], [])
+    if not r.get("succeeded"):
+        # Not under its own name: it may hold the key of a `latest` waiter it took over.
+        mine = el.find(ticket_id)
+        if mine is not None:
+            r = cluster.txn([cmp(mine["key"], "CREATE", "EQUAL", mine["create_revision"])], [guard], [])
     if not r.get("succeeded"):
         cluster.revoke(lease)
         return None

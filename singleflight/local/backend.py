@@ -173,6 +173,9 @@ class LocalLease:
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
 
+    def wake_fd(self) -> None:
+        """A cancel request pokes the holder (SIGUSR1): no fd to watch."""
+
     def record_success(self) -> None:
         self.store.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
 

@@ -1,0 +1,153 @@
+"""Event-driven concurrency on etcd: ``--queue latest`` and ``--cancel-in-progress``.
+
+A ``latest`` arrival takes the place of the older ``latest`` waiters. On etcd a place in
+line is the create revision of a queue key, and a put keeps a key's create revision:
+so the newcomer takes over the key of the earliest of them (one transaction: a
+compare-and-swap on each one's mod revision, its ticket put in the key on the
+newcomer's waiting lease, the others' keys deleted, an end record ``superseded by
+NEW`` written for each). ``a/NEW`` names the key it now sits in. Each superseded
+waiter watches its own key while it waits and leaves busy at once.
+
+A cancel-in-progress request travels through the cluster alone: a compare-and-swap
+sets ``superseded_by`` in the holder's own key, which an opted-in holder watches
+(``EtcdLease``). The holder then stops as on any loss: token dead, COMMAND stopped,
+lock released, and its run exits busy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from singleflight.core import proc
+from singleflight.core.const import CANCELLED, DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST, SUPERSEDED
+from singleflight.core.ticket import Ticket
+from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.etcd.lock import Mutex, margin_of, owner_of, parse, value
+
+
+def join_latest(
+    mutex: Mutex, t: Ticket, lease: int, alias_lease: int, own: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, int]:
+    """Queue ``t`` (a ``latest`` ticket) on the waiting ``lease``, in the place of the older
+    ``latest`` waiters, whom it supersedes; at the end of the line if there are none.
+
+    ``own``: the key a CLI ticket has had since it was created (None: a new one is made).
+    ``a/TICKET`` rides on ``alias_lease`` (the holder's). Returns (our kv, how many are
+    ahead); kv None when our own key was cancelled or taken over before we got here.
+    """
+    keep = 0
+    try:
+        while True:
+            line, at = mutex.queue()
+            me = t
+            if own is not None:
+                own = next((kv for kv in line if kv["key"] == own["key"]), None)
+                found = parse(own["value"]) if own is not None else None
+                if found is None or found.ticket_id != t.ticket_id:
+                    return None, 0
+                me = found  # as its owner last heartbeated it
+            victims = [(i, kv) for i, kv in enumerate(line) if i > 0 and _older_latest(kv, t.ticket_id)]
+            if not victims:
+                if own is not None:
+                    # Our key is in line already: a newer `latest` arrival will see it.
+                    return mutex.rehome(own, lease)
+                # Only if nobody joined since we looked: a `latest` one would have to be superseded.
+                joined = mutex.join_if_no_arrival(t, lease, at)
+                if joined is not None:
+                    return joined
+                continue
+            keep = keep or mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
+            taken = _take_over(mutex, me, line, victims, lease=lease, alias_lease=alias_lease, own=own, keep=keep)
+            if taken is not None:
+                keep = 0  # it holds their end records now
+                return taken
+    finally:
+        if keep:
+            mutex.cluster.revoke(keep)
+
+
+def _older_latest(kv: dict[str, Any], me: str) -> bool:
+    t = parse(kv["value"])
+    return t is not None and t.live and t.queue_mode == QUEUE_LATEST and t.ticket_id != me
+
+
+def _take_over(
+    mutex: Mutex,
+    me: Ticket,
+    line: list[dict[str, Any]],
+    victims: list[tuple[int, dict[str, Any]]],
+    *,
+    lease: int,
+    alias_lease: int,
+    own: dict[str, Any] | None,
+    keep: int,
+) -> tuple[dict[str, Any], int] | None:
+    """One transaction: the earliest place among the victims' keys (and our own) becomes ours.
+    None when the line changed under us (a heartbeat, a promotion): look again."""
+    first_i, target = victims[0]
+    pred = line[first_i - 1]
+    if own is not None and own["create_revision"] < target["create_revision"]:
+        target = own
+    me.promoted = True  # if it is ever held, it waited behind another holder
+    body = value(me, lease)
+    # Someone is still ahead of the earliest victim: it is waiting, not being promoted.
+    checks = [cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"])]
+    checks += [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"]) for _, kv in victims]
+    if own is not None:
+        checks.append(cmp(own["key"], "MOD", "EQUAL", own["mod_revision"]))
+    ops = [
+        op_range(mutex.q, prefix=True, count_only=True, max_create=target["create_revision"] - 1),
+        op_put(target["key"], body, lease),  # a put keeps the create revision: the place in line
+    ]
+    now = time.time()
+    for _, kv in victims:
+        old = parse(kv["value"])
+        assert old is not None
+        old.state, old.end_reason, old.ended_at = CANCELLED, f"{SUPERSEDED}{me.ticket_id}", now
+        old.superseded_by = me.ticket_id
+        ops += [op_put(mutex.e + old.ticket_id, value(old, kv["lease"]), keep), op_delete(mutex.a + old.ticket_id)]
+        if kv["key"] != target["key"]:
+            ops.append(op_delete(kv["key"]))
+    if own is not None and own["key"] != target["key"]:
+        ops.append(op_delete(own["key"]))
+    if target["key"] != mutex.q + me.ticket_id:
+        ops.append(op_put(mutex.a + me.ticket_id, target["key"].encode(), alias_lease))
+    r = mutex.cluster.txn(checks, ops, [])
+    if not r.get("succeeded"):
+        return None
+    kv = dict(target, value=body, mod_revision=revision(r), lease=lease)
+    return kv, ranged(r, 0)[1]
+
+
+def request_cancel(mutex: Mutex, ticket: Ticket) -> float | None:
+    """--cancel-in-progress: ask the holder to stop, if it opted in too, by setting its
+    ``superseded_by`` (compare-and-swap on its key). Its kill grace; None if it did not opt
+    in, is ours, is another client's (``etcdctl lock``), ended, or dead (on this host)."""
+    for _ in range(5):
+        r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
+        head = ranged(r, 0)[0]
+        kv = head[0] if head else None
+        h = parse(kv["value"]) if kv is not None else None
+        if kv is None or h is None or not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id:
+            return None
+        owner = owner_of(kv["value"])
+        here = h.holder_host == os.uname().nodename
+        if here and not proc.alive(h.holder_pid, h.holder_start) and not proc.alive(*owner):
+            return None  # its lease lapses by itself
+        grace = h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE
+        if h.superseded_by:
+            return grace  # asked already: the first request stands
+        h.superseded_by = ticket.ticket_id
+        body = value(h, kv["lease"], margin=margin_of(kv["value"]) or None, owner=owner)
+        try:
+            r = mutex.cluster.txn(
+                [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])], [op_put(kv["key"], body, kv["lease"])], []
+            )
+        except Refused:
+            return None  # its lease went meanwhile
+        if r.get("succeeded"):
+            return grace
+        # A heartbeat or the holder settling came in between: look again.
+    return None
