@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from etcd_cluster import Cluster
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for
-from test_hardening import intervals, logged
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -167,33 +166,3 @@ def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
     assert superseded_by(r_old.err_lines, job) == by
     assert verdict.read_text().strip() == str(int(ExitCode.REFUSED))
     assert lock_status(procs, job)["state"] == "free"
-
-
-def test_latest_runs_arriving_at_once_leave_exactly_one_pending(
-    procs: Procs, work: Path, job: str, on_etcd: str
-) -> None:
-    """Ten `latest` runs at once behind a holder: their takeovers race (each a compare-and-swap,
-    and one that finds nobody to supersede joins only if nobody joined since it looked), and
-    exactly one is left in line; the nine others exit busy, superseded, and never run."""
-    log = work / "log"
-    gate = Gate(work)
-    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
-    gate.wait_ready()
-    runs = [
-        procs.pr(
-            "-v", "--job", job, "--queue", "latest", "--wait-seconds", "120", "--", *logged(log, f"L{i}", seconds=0)
-        )
-        for i in range(10)
-    ]
-    wait_for(lambda: sum(p.poll() is not None for p in runs) == 9, 60, "nine runs superseded")
-    (pending,) = [p for p in runs if p.poll() is None]
-    for p in runs:
-        if p is not pending:
-            r = procs.finish(p)
-            assert r.returncode == ExitCode.BUSY, r
-            assert superseded_by(r.err_lines, job), r
-    assert len(line(on_etcd, job)) == 2
-    gate.open()
-    assert procs.finish(holder).returncode == 0
-    assert procs.finish(pending, timeout=60).returncode == 0
-    assert len(intervals(log)) == 1

@@ -148,3 +148,28 @@ def test_a_latest_lock_waiter_is_superseded_by_a_newer_latest_run(backend: str, 
     assert procs.finish(holder).returncode == 0
     assert procs.finish(new, timeout=60).returncode == 0
     assert "NEW" in intervals(log)
+
+
+def test_latest_runs_arriving_at_once_leave_exactly_one_pending(backend: str, procs: Procs, work: Path) -> None:
+    """Ten `latest` runs at once behind a holder: exactly one is left in line; the nine
+    others exit busy, superseded, and never run. On the lock dir a superseded waiter is poked
+    with SIGUSR1, which could land before its handler was in place and kill it (exit -10); on
+    etcd the takeovers race as compare-and-swaps."""
+    log = work / "log"
+    gate = Gate(work)
+    holder = procs.pr("--job", "at-once", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    latest = ("-v", "--job", "at-once", "--queue", "latest", "--wait-seconds", "120", "--")
+    runs = [procs.pr(*latest, *logged(log, f"L{i}", seconds=0)) for i in range(10)]
+    wait_for(lambda: sum(p.poll() is not None for p in runs) == 9, 60, "nine runs superseded")
+    (pending,) = [p for p in runs if p.poll() is None]
+    for p in runs:
+        if p is not pending:
+            r = procs.finish(p)
+            assert r.returncode == ExitCode.BUSY, r
+            assert any(ln.startswith("pearing-run: superseded lock=at-once by=") for ln in r.err_lines), r
+    assert len(waiters(procs, "at-once")) == 1
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.finish(pending, timeout=60).returncode == 0
+    assert len(intervals(log)) == 1

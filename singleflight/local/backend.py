@@ -73,9 +73,15 @@ class LocalPlace:
     def __init__(self, lk: LocalLock, ticket: Ticket, fd: int, grip: FlockGrip | None) -> None:
         self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
         self.waiter: queue.Waiter | None = None
+        self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
+        self._handler: Any = None
 
     def queue(self, deadline: float) -> int:
         store = self.lk.store
+        # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
+        # poke us (SIGUSR1): held back until the wait's kernel call, where it is handled.
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, queue.POKES)
+        self._handler = signal.signal(signal.SIGUSR1, _on_poke)
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
         superseded: list[Ticket] = []
         with store.mutex():
@@ -103,12 +109,7 @@ class LocalPlace:
 
     def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
         assert self.waiter is not None
-        # release-lock-ticket on a waiting ticket pokes its waiter with SIGUSR1.
-        old = signal.signal(signal.SIGUSR1, _on_poke)
-        try:
-            got = self.waiter.wait(self.fd, deadline)
-        finally:
-            signal.signal(signal.SIGUSR1, old)
+        got = self.waiter.wait(self.fd, deadline)
         if not got:
             return None
         fault.point("mid-promotion")
@@ -119,6 +120,13 @@ class LocalPlace:
         if self.waiter is not None:
             self.waiter.leave()
             self.waiter = None
+        if self._mask is not None:
+            # A poke that came after the wait is moot (the ticket is read again): drop it.
+            while signal.sigtimedwait(queue.POKES, 0) is not None:
+                pass
+            signal.signal(signal.SIGUSR1, self._handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
         if self.grip is None and self.fd >= 0:
             os.close(self.fd)
         self.fd = -1

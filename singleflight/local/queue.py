@@ -29,6 +29,10 @@ class Interrupted(Exception):
     """Raised from a signal handler to break out of a blocking flock."""
 
 
+# The signal that tells a waiter to re-read its ticket (released, superseded, heartbeat).
+POKES = frozenset({signal.SIGUSR1})
+
+
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted
 
@@ -56,9 +60,15 @@ def flock_until(fd: int, deadline: float) -> bool:
         return _poll_flock(fd, deadline)
     try:
         signal.setitimer(signal.ITIMER_REAL, remaining)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
         try:
+            # A poke (SIGUSR1: re-read your ticket) is held back by the waiter everywhere but
+            # here, in the kernel wait it is meant to cut short: its handler raises, and an
+            # exception anywhere else would escape the wait. One that came meanwhile lands now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, POKES)
             fcntl.flock(fd, fcntl.LOCK_EX)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             signal.setitimer(signal.ITIMER_REAL, 0)
         return True
     except Interrupted:
