@@ -32,7 +32,7 @@ from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import Claim, Verdict
-from singleflight.local import guard, lease, queue
+from singleflight.local import lease, queue
 from singleflight.local.store import LockDir, LockStore
 
 # How long a release waits for the holder to let go of the lock.
@@ -495,9 +495,13 @@ class LocalBackend:
         self.dir.write_activity(identity, activity)
 
     def verify(self, claim: Claim) -> Verdict:
+        from singleflight.local import guard  # hmac and the rest: pearing-guard's, not pearing-run's
+
         return guard.verify(claim)
 
     def hold_off(self, claim: Claim, seconds: float) -> AbstractContextManager[Verdict]:
+        from singleflight.local import guard
+
         return guard.hold_off(claim)
 
     def accept_fence(self, resource: str, fence: int) -> int:
