@@ -7,7 +7,6 @@ holder's 0600 token file; and what a guard reads back from that file or the envi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -41,6 +40,9 @@ def mint_token() -> str:
 
 
 def token_hash(token: str) -> str:
+    # Here, not at the top: OpenSSL's binding costs a busy pearing-run ~3 ms it never needs.
+    import hashlib
+
     return hashlib.sha256(token.encode()).hexdigest()
 
 
