@@ -79,6 +79,20 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
+@pytest.fixture
+def job() -> str:
+    """A lock name of its own under the default tenant: the session's cluster is shared (and
+    etcdctl names a queue by its path)."""
+    return f"job-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def on_etcd(etcd: Cluster, procs: Procs) -> str:
+    """Every process of the test talks to the session's cluster."""
+    procs.env[ENV_BACKEND] = etcd.url
+    return etcd.url
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "etcd: runs against the real etcd cluster (the etcd half of `backend`)")
     config.addinivalue_line(

@@ -19,12 +19,6 @@ from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.lock import Mutex
 
 
-@pytest.fixture
-def job() -> str:
-    """A lock name of its own: the cluster is shared by the whole session."""
-    return f"job-{uuid.uuid4().hex[:12]}"
-
-
 def _queued(url: str, job: str) -> int:
     kvs, _ = Mutex(Client(url), "default", job).queue()
     return len(kvs)

@@ -12,26 +12,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-from etcd_cluster import Cluster
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for
 
-from singleflight.core.const import ENV_BACKEND, ExitCode
+from singleflight.core.const import ExitCode
 from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.client import cmp, op_put
 from singleflight.etcd.lock import WAIT_TTL, Mutex, margin_of, owner_of, parse, value
-
-
-@pytest.fixture
-def job() -> str:
-    return f"job-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def on_etcd(etcd: Cluster, procs: Procs) -> str:
-    """Every process of the test talks to the session's cluster."""
-    procs.env[ENV_BACKEND] = etcd.url
-    return etcd.url
 
 
 def line(url: str, job: str) -> list[dict[str, Any]]:

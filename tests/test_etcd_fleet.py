@@ -34,12 +34,6 @@ needs_etcdctl = pytest.mark.skipif(
 
 
 @pytest.fixture
-def job() -> str:
-    """A lock name of its own under the default tenant (etcdctl names the queue by path)."""
-    return f"job-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
 def cluster(etcd: Cluster, env: dict[str, str]) -> Iterator[Cluster]:
     """The session's cluster, for tests that kill or restart members: healed afterwards."""
     env[ENV_BACKEND] = etcd.url

@@ -187,6 +187,42 @@ def test_a_holder_frozen_before_it_is_ready_never_lets_two_commands_run(
         assert rb.returncode in (0, ExitCode.LEASE_LOST), rb
 
 
+def test_wrapper_and_holder_both_killed_is_two_faults_and_fencing_still_holds(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """The SPEC promises no overlap under a fault of one process. kill -9 of both the wrapper
+    and its holder leaves COMMAND with nobody to keep its lock (it never inherits the lock fd;
+    on etcd nobody keeps the lease alive), so the next run may start beside it. What still
+    holds: the orphan's token is refused, and the next fence is larger, so a target that checks
+    fences (``pearing-guard fence``) rejects the orphan's late writes."""
+    tf, fa, apid = work / "tf", work / "fa", work / "apid"
+    script = f'echo "$PEARING_TOKEN_FILE" > {q(tf)}; echo "$PEARING_FENCE" > {q(fa)}; '
+    script += f"echo $$ > {q(apid)}; exec sleep 60"
+    a = procs.pr("--job", "dbl", "--lease-seconds", "2", "--", "sh", "-c", script)
+    wait_for(lambda: apid.exists() and apid.read_text().strip(), 15, "A's COMMAND")
+    holder = holder_pid(procs, "dbl")
+    a.kill()
+    a.wait()
+    os.kill(holder, signal.SIGKILL)
+    orphan = int(apid.read_text())
+    try:
+        b = procs.pr_run(
+            "--job", "dbl", "--wait-seconds", "20", "--", "sh", "-c", f'echo "$PEARING_FENCE" > {q(work / "fb")}'
+        )  # fmt: skip
+        assert b.returncode == 0, b
+        assert proc_state(orphan) not in (None, "Z"), "the orphaned COMMAND should still run (no one stops it)"
+        assert int((work / "fb").read_text()) > int(fa.read_text())
+        verdict = procs.run([PEARING_GUARD, "verify", "--token-file", tf.read_text().strip()])
+        assert verdict.returncode == ExitCode.REFUSED, verdict
+        fenced = procs.run([PEARING_GUARD, "fence", "--resource", "r", "--fence", (work / "fb").read_text().strip()])
+        assert fenced.returncode == 0, fenced
+        late = procs.run([PEARING_GUARD, "fence", "--resource", "r", "--fence", fa.read_text().strip()])
+        assert late.returncode != 0, late
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
 def test_a_killed_holder_frees_the_lock_only_after_command_is_dead(backend: str, procs: Procs, work: Path) -> None:
     log = work / "log"
     a = procs.pr("--job", "k", "--kill-grace", "5", "--", *logged(log, "A", trap=2))

@@ -581,6 +581,10 @@ class Nemesis:
             pool = [c for c in self.alive() if c.pid in waiting and c.holder is None and not self.is_frozen(c)]
         else:
             pool = [c for c in self.holders() if not self.is_frozen(c) and (who == "holder" or c.alive())]
+            # The SPEC's promise is for a fault of one process: once a run's wrapper or holder
+            # was killed, killing or freezing the other one is two faults (COMMAND is left with
+            # nobody to keep its lock; test_hardening shows that fencing still holds then).
+            pool = [c for c in pool if not any(f.startswith(("kill-wrapper", "kill-holder")) for f in c.faults)]
             busy = {s.cid for s in self.watcher.live()}
             pool = [c for c in pool if c.cid in busy] or pool  # rather a run whose COMMAND is running
         if not pool:
