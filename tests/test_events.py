@@ -153,8 +153,8 @@ def test_a_latest_lock_waiter_is_superseded_by_a_newer_latest_run(backend: str, 
 def test_latest_runs_arriving_at_once_leave_exactly_one_pending(backend: str, procs: Procs, work: Path) -> None:
     """Ten `latest` runs at once behind a holder: exactly one is left in line; the nine
     others exit busy, superseded, and never run. On the lock dir a superseded waiter is poked
-    with SIGUSR1, which could land before its handler was in place and kill it (exit -10); on
-    etcd the takeovers race as compare-and-swaps."""
+    (with SIGUSR1 it was killed, exit -10, by a poke that landed before its handler was in
+    place or after it stopped waiting); on etcd the takeovers race as compare-and-swaps."""
     log = work / "log"
     gate = Gate(work)
     holder = procs.pr("--job", "at-once", "--", "sh", "-c", gate.script())

@@ -74,14 +74,13 @@ class LocalPlace:
         self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
         self.waiter: queue.Waiter | None = None
         self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
-        self._handler: Any = None
 
     def queue(self, deadline: float) -> int:
         store = self.lk.store
         # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
-        # poke us (SIGUSR1): held back until the wait's kernel call, where it is handled.
+        # poke us: held back until the wait's kernel call, where it is handled.
         self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, queue.POKES)
-        self._handler = signal.signal(signal.SIGUSR1, _on_poke)
+        signal.signal(queue.WAITER_POKE, _on_poke)
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
         superseded: list[Ticket] = []
         with store.mutex():
@@ -92,7 +91,7 @@ class LocalPlace:
             if store.read_ticket(self.ticket.ticket_id) is None:
                 store.write_ticket(self.ticket)
         for t in superseded:
-            lease.poke(t)  # its waiter re-reads its ticket at once and leaves busy
+            lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
         return self.waiter.position()
 
     def _supersede(self) -> list[Ticket]:
@@ -124,7 +123,8 @@ class LocalPlace:
             # A poke that came after the wait is moot (the ticket is read again): drop it.
             while signal.sigtimedwait(queue.POKES, 0) is not None:
                 pass
-            signal.signal(signal.SIGUSR1, self._handler)
+            # One sent before we stopped waiting may still arrive (its sender read us waiting).
+            signal.signal(queue.WAITER_POKE, signal.SIG_IGN)
             signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
             self._mask = None
         if self.grip is None and self.fd >= 0:
@@ -453,7 +453,7 @@ def _poke_and_wait(t: Ticket) -> None:
     except OSError:
         return
     try:
-        if lease.poke(t):
+        if lease.poke(t, waiter=t.state == WAITING):
             select.select([pidfd], [], [], _RELEASE_WAIT)
     finally:
         os.close(pidfd)

@@ -16,6 +16,7 @@ from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.ticket import Ticket, rfc3339
 from singleflight.core.tokens import mint_token, token_hash
+from singleflight.local.queue import WAITER_POKE
 from singleflight.local.store import LockStore
 
 
@@ -141,9 +142,10 @@ def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
     return t
 
 
-def poke(t: Ticket) -> bool:
-    """SIGUSR1 to a ticket's holder (another process): re-read your ticket now."""
-    return proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
+def poke(t: Ticket, *, waiter: bool = False) -> bool:
+    """Tell a ticket's process (another one) to re-read the ticket now: SIGUSR1 to a holder,
+    the waiters' own signal to a waiter (``queue.WAITER_POKE``)."""
+    return proc.signal_exact(t.holder_pid, t.holder_start, WAITER_POKE if waiter else signal.SIGUSR1)
 
 
 def check_live(t: Ticket) -> None:

@@ -29,8 +29,11 @@ class Interrupted(Exception):
     """Raised from a signal handler to break out of a blocking flock."""
 
 
-# The signal that tells a waiter to re-read its ticket (released, superseded, heartbeat).
-POKES = frozenset({signal.SIGUSR1})
+# The signal that tells a waiter to re-read its ticket (released, superseded). Not SIGUSR1:
+# pearing-run forwards that one to COMMAND, and a poke sent to a waiter just as it was promoted
+# may arrive late. Once it stops waiting, a waiter ignores this one.
+WAITER_POKE = signal.SIGRTMIN + 1
+POKES = frozenset({WAITER_POKE})
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
@@ -62,7 +65,7 @@ def flock_until(fd: int, deadline: float) -> bool:
         signal.setitimer(signal.ITIMER_REAL, remaining)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
         try:
-            # A poke (SIGUSR1: re-read your ticket) is held back by the waiter everywhere but
+            # A poke (re-read your ticket) is held back by the waiter everywhere but
             # here, in the kernel wait it is meant to cut short: its handler raises, and an
             # exception anywhere else would escape the wait. One that came meanwhile lands now.
             signal.pthread_sigmask(signal.SIG_UNBLOCK, POKES)
