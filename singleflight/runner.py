@@ -518,6 +518,9 @@ class Runner:
     def _finish(self, chan: Channel, status: int, exit_code: int, *, ran: bool = True) -> int:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
         self._let_go()  # COMMAND is dead: only the holder's copy of the lock remains
+        # A holder that lost the lease says so before it stops COMMAND: that word is in the
+        # pipe already when COMMAND's death is seen first, and the end recorded must agree.
+        self._heard_lost(chan)
         if ran:
             # Before the release: the next holder's "start" must land after this "end".
             code = self._lost_code() if self.lost else exit_code
