@@ -73,7 +73,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import nemesis_command
 import pytest
@@ -956,11 +955,6 @@ def freeze(pid: int, stime: int, seconds: float) -> None:
     assert kill_exact(pid, stime, signal.SIGCONT)
 
 
-def known(backends: list[str], reason: str) -> list[Any]:
-    """The backend params, xfail(strict=True) on those where the bug is known."""
-    return [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=reason)) if b in backends else b for b in BOTH]
-
-
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> None:
     solo = Solo(procs, work)
@@ -972,16 +966,11 @@ def test_closed_stdio_keeps_the_lock(backend: str, procs: Procs, work: Path) -> 
     assert codes == {"a": 0, "b": int(ExitCode.BUSY)}
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "with fd 2 closed sys.stderr is None and Log._emit raises AttributeError (it suppresses only "
-        "OSError/ValueError): pearing-run -v dies with exit 1 after taking a fence, COMMAND never runs",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: Procs, work: Path) -> None:
+    """Once failed: with fd 2 closed sys.stderr is None and Log._emit raises AttributeError (it
+    suppresses only OSError/ValueError): pearing-run -v dies with exit 1 after taking a fence,
+    COMMAND never runs."""
     solo = Solo(procs, work)
     solo.start("a", ["-v"], ["hold=0.1"], close="2>&-")
     codes, _v = solo.finish()
@@ -989,61 +978,41 @@ def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: 
     assert len(solo.watcher.steps) == 1
 
 
+@pytest.mark.parametrize("fault", ["frozen-past-its-lease", "killed"])
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
-def test_holder_frozen_past_its_lease_keeps_the_lock_until_command_is_dead(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+def test_a_holder_frozen_or_killed_keeps_the_lock_until_command_is_dead(
+    backend: str, fault: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
-    lease = 1.0 if backend == "local" else 2.0
+    """The holder of a run whose COMMAND takes 1 s in its TERM handler is frozen past its lease
+    or killed -9, with a waiter in line: the waiter starts only after COMMAND is dead.
+
+    Once failed (killed): kill -9 of the holder freed the lock before COMMAND was stopped
+    (locally the kernel dropped the flock at once, on etcd the wrapper revoked the lease before
+    it sent SIGTERM), and the next run started inside COMMAND's TERM handler."""
+    lease = 3.0 if fault == "killed" else 1.0 if backend == "local" else 2.0
     solo = Solo(procs, work)
     solo.start("a", ["--lease-seconds", f"{lease:g}", "--kill-grace", "3"], ["hold=30", "term=1.0"])
     solo.started("a")
     pid, stime = solo.holder("a")
     solo.start("b", ["--wait-seconds", "30"], ["hold=0.1"])
     solo.waiting("b", lock_dir, env)
-    freeze(pid, stime, lease + 1.5)
+    if fault == "killed":
+        assert kill_exact(pid, stime, signal.SIGKILL)
+    else:
+        freeze(pid, stime, lease + 1.5)
     codes, v = solo.finish()
     assert v.overlaps == [], v.overlaps
     assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "kill -9 of the holder frees the lock before COMMAND is stopped: locally the kernel drops "
-        "the flock at once, on etcd the wrapper revokes the lease before it sends SIGTERM; the next "
-        "run starts while COMMAND is still in its TERM handler (SPEC 7: freed only after it is dead)",
-    ),
-    indirect=True,
-)
-def test_killed_holder_keeps_the_lock_until_command_is_dead(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
-) -> None:
-    solo = Solo(procs, work)
-    solo.start("a", ["--kill-grace", "3", "--lease-seconds", "3"], ["hold=30", "term=1.0"])
-    solo.started("a")
-    pid, stime = solo.holder("a")
-    solo.start("b", ["--wait-seconds", "20"], ["hold=0.1"])
-    solo.waiting("b", lock_dir, env)
-    assert kill_exact(pid, stime, signal.SIGKILL)
-    codes, v = solo.finish()
-    assert v.overlaps == [], v.overlaps
-    assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
-
-
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "local: the waiters behind block in the kernel on the frozen waiter's queue entry, which "
-        "stays locked while it is stopped. etcd: its key lives on its lease (60 s by default), "
-        "long past its 1 s wait. SPEC: a ^Z waiter keeps its place at most until its wait deadline",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
+    """Once failed: local: the waiters behind block in the kernel on the frozen waiter's queue
+    entry, which stays locked while it is stopped. etcd: its key lives on its lease (60 s by
+    default), long past its 1 s wait. SPEC: a ^Z waiter keeps its place at most until its wait
+    deadline."""
     solo = Solo(procs, work)
     solo.start("h", [], ["hold=4"])  # long enough for w1 and w2 to be in line on a loaded machine
     solo.started("h")
@@ -1060,18 +1029,13 @@ def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     assert codes["w2"] == 0, "the waiter behind a frozen one never got the lock"
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "a killed waiter's key lives on until its lease expires (--lease-seconds, 60 s by default): "
-        "the waiters behind it wait that long. SPEC Backends: a killed waiter stops blocking within 5 s",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_killed_waiter_stops_blocking_within_5_s(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
+    """Once failed: a killed waiter's key lives on until its lease expires (--lease-seconds, 60 s
+    by default): the waiters behind it wait that long. SPEC Backends: a killed waiter stops
+    blocking within 5 s."""
     solo = Solo(procs, work)
     # h holds long enough for w1 to be in line behind it even on a loaded machine (with a 1 s
     # hold, a slow start of w1 found the lock free and it never waited).
@@ -1120,19 +1084,14 @@ def test_group_kill_mid_guarded_write_takes_the_write_with_it(
     assert codes == {"a": 128 + 9, "b": 0}
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "on etcd the holder's lose() calls EtcdLease.end() first, which revokes the lease: the next "
-        "waiter is promoted before COMMAND gets SIGTERM. SPEC 5: token dead, then TERM/KILL, then the "
-        "lock released (lease 6 s >= 3 x (grace 0.5 + 1 s), inside the README's envelope)",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_lost_lease_keeps_the_lock_until_command_is_dead(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
+    """Once failed: on etcd the holder's lose() calls EtcdLease.end() first, which revokes the
+    lease: the next waiter is promoted before COMMAND gets SIGTERM. SPEC 5: token dead, then
+    TERM/KILL, then the lock released (lease 6 s >= 3 x (grace 0.5 + 1 s), inside the README's
+    envelope)."""
     solo = Solo(procs, work)
     flags = ["--heartbeat", "manual", "--lease-seconds", "6", "--kill-grace", "0.5"]
     solo.start("a", flags, ["hb=1:0", "hold=30", "term=0.4"])  # never heartbeats: a hung agent
@@ -1144,17 +1103,11 @@ def test_lost_lease_keeps_the_lock_until_command_is_dead(
     assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "the holder reads the lease's TTL in whole seconds, truncated (and a TTL under 1 s is "
-        "omitted from etcd's JSON, read as -1 'gone'), then takes its margin off: a COMMAND that "
-        "heartbeats every lease/3 (README) loses a 3 s lease. SPEC 4: within every lease period",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_heartbeat_every_third_of_the_lease_keeps_it(backend: str, procs: Procs, work: Path) -> None:
+    """Once failed: the holder reads the lease's TTL in whole seconds, truncated (and a TTL under 1
+    s is omitted from etcd's JSON, read as -1 'gone'), then takes its margin off: a COMMAND that
+    heartbeats every lease/3 (README) loses a 3 s lease. SPEC 4: within every lease period."""
     solo = Solo(procs, work)
     solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "3"], ["hb=1", "lease=3", "hold=8"])
     codes, v = solo.finish()
@@ -1162,20 +1115,15 @@ def test_heartbeat_every_third_of_the_lease_keeps_it(backend: str, procs: Procs,
     assert codes == {"a": 0}, "a COMMAND heartbeating every lease/3 lost its lease"
 
 
-@pytest.mark.parametrize(
-    "backend",
-    known(
-        [],
-        "when ownership is lost before the holder has read COMMAND's pid (the 'started' line), "
-        "Holder._stop_command has nothing to stop and releases; the wrapper only logs the 'lost' "
-        "line and lets COMMAND run to its end, beside the next holder. SPEC 5",
-    ),
-    indirect=True,
-)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_ownership_lost_before_command_starts_still_stops_it(backend: str, procs: Procs, work: Path) -> None:
     """--max-runtime 0.001: ownership is lost as soon as the holder serves. The race (lost
     before or after the holder hears of COMMAND) goes either way, about half the time here,
-    so up to 20 runs; one COMMAND that ends on its own after the loss is the bug."""
+    so up to 20 runs; one COMMAND that ends on its own after the loss is the bug.
+
+    Once failed: when ownership is lost before the holder has read COMMAND's pid (the 'started'
+    line), Holder._stop_command has nothing to stop and releases; the wrapper only logs the
+    'lost' line and lets COMMAND run to its end, beside the next holder. SPEC 5."""
     solo = Solo(procs, work)
     ran_to_end = []
     for i in range(20):
