@@ -90,7 +90,7 @@ def test_without_heartbeats_the_lease_ends_on_the_holders_clock(
     assert (work / "in-trap-env").read_text().strip() == "1"
 
 
-# -- B. the wrapper keeps the lease while COMMAND lives -----------------------------------------
+# -- B. a release from the CLI while COMMAND lives (frozen and killed holders: test_hardening, test_nemesis) --
 
 
 def _trapping_command(log: Path, ready: Path) -> str:
@@ -99,52 +99,6 @@ def _trapping_command(log: Path, ready: Path) -> str:
         f"trap 'sleep 2; {stamp(log, 'end1')}; exit 0' TERM; {stamp(log, 'start1')}; touch {q(ready)}; "
         "while :; do sleep 0.05; done"
     )
-
-
-def test_a_frozen_holder_cannot_let_a_second_command_start(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
-    """The holder is stopped (SIGSTOP) for longer than its lease (and its etcd TTL) while COMMAND
-    runs: the wrapper keeps the etcd lease alive, so the waiter stays out; resumed, the holder
-    finds its lease over, stops COMMAND the usual way, and only then the waiter starts."""
-    log, ready = work / "log", work / "ready"
-    first = procs.pr(
-        "--job", job, "--lease-seconds", "2", "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready)
-    )  # fmt: skip
-    wait_for(ready.exists, 15, "the first COMMAND")
-    holder = settled_holder_pid(procs, job, first.pid)
-    waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
-    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
-    os.kill(holder, signal.SIGSTOP)
-    try:
-        time_passes(5.0, "a lease and a TTL and more to pass with the holder frozen")
-        assert "start2" not in stamps(log), "the waiter ran while the first COMMAND did"
-    finally:
-        os.kill(holder, signal.SIGCONT)
-    f = procs.finish(first, timeout=30)
-    w = procs.finish(waiter, timeout=30)
-    assert f.returncode == ExitCode.LEASE_LOST, f
-    assert w.returncode == 0, w
-    s = stamps(log)
-    assert s["start1"] < s["end1"] < s["start2"]
-
-
-def test_a_killed_holder_keeps_the_lock_until_command_ends(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
-    """kill -9 of the holder: the token dies, COMMAND gets SIGTERM and takes 2 s to stop; the
-    wrapper keeps the etcd lease alive meanwhile, so the waiter starts only after its end line."""
-    log, ready = work / "log", work / "ready"
-    first = procs.pr(
-        "--job", job, "--lease-seconds", "2", "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready)
-    )  # fmt: skip
-    wait_for(ready.exists, 15, "the first COMMAND")
-    holder = settled_holder_pid(procs, job, first.pid)
-    waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
-    wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
-    os.kill(holder, signal.SIGKILL)
-    f = procs.finish(first, timeout=30)
-    w = procs.finish(waiter, timeout=30)
-    assert f.returncode == ExitCode.LEASE_LOST, f
-    assert w.returncode == 0, w
-    s = stamps(log)
-    assert s["start1"] < s["end1"] < s["start2"]
 
 
 def test_release_from_the_cli_lets_the_holder_stop_command_first(
