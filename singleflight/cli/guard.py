@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import sys
+from typing import NoReturn
 
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
@@ -21,6 +22,7 @@ from singleflight.core import fault, names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
+from singleflight.core.proc import script
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"
@@ -195,5 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.SOFTWARE)
 
 
+def entry() -> NoReturn:
+    """The ``pearing-guard`` command."""
+    script(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

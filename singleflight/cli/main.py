@@ -29,6 +29,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
+from singleflight.core.proc import script
 
 PROG = "pearing-cli"
 app = typer.Typer(
@@ -229,5 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     return rv if isinstance(rv, int) else 0
 
 
+def entry() -> NoReturn:
+    """The ``pearing-cli`` command."""
+    script(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from typing import NoReturn
 
 from singleflight import __version__
 from singleflight.backend import backend_url
@@ -24,7 +25,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import FORMATS, Log
-from singleflight.core.proc import ensure_std_fds
+from singleflight.core.proc import ensure_std_fds, script
 from singleflight.runner import RunOptions, run
 
 PROG = "pearing-run"
@@ -167,5 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.SOFTWARE)
 
 
+def entry() -> NoReturn:
+    """The ``pearing-run`` command."""
+    script(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
