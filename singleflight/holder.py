@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from singleflight.core import fault, proc, protocol
-from singleflight.core.const import EXPIRED, RELEASED
+from singleflight.core.const import ENV_TICKET, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 
@@ -108,6 +108,7 @@ class Holder:
         self.cmd_pid: int | None = None
         self.cmd_fd: int | None = None
         self.cmd_done = False
+        self.spawning = False  # told COMMAND is about to start, not yet its pid
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         for sig in HOLDER_SIGNALS:
@@ -199,24 +200,46 @@ class Holder:
     def _on_messages(self, poller: select.poll) -> None:
         assert self.chan is not None
         for msg in self.chan.messages():
-            if msg.kind == protocol.STARTED:
-                if self.cmd_fd is not None:  # the --skip-if check came first
-                    if not self.cmd_done:
-                        poller.unregister(self.cmd_fd)
-                    os.close(self.cmd_fd)
-                self.cmd_pid, self.cmd_done = msg.pid, False
-                self.cmd_fd = _pidfd(msg.pid, msg.stamp)
-                if self.cmd_fd is None:
-                    self.cmd_done = True
-                else:
-                    poller.register(self.cmd_fd, select.POLLIN)
+            if msg.kind == protocol.SPAWNING:
+                self.spawning = True
+            elif msg.kind == protocol.STARTED:
+                self._started(msg.pid, msg.stamp, poller)
             elif msg.kind == protocol.EXITED:
                 self.cmd_done = True
                 self.finish(msg.status)
+        if self.chan.eof and self.spawning:
+            self._find_spawned(poller)
         if self.chan.eof and (self.cmd_done if self.cmd_pid is not None else self.cfg.owned_by_wrapper):
             # The owner is gone and so is what it ran: pearing-run died before COMMAND started
             # or after it ended; a Lock's process died inside its block.
             self.finish(None)
+
+    def _started(self, pid: int, stamp: int, poller: select.poll | None) -> None:
+        """COMMAND (or the --skip-if check) runs: watch it."""
+        self.spawning = False
+        if self.cmd_fd is not None:  # the --skip-if check came first
+            if not self.cmd_done and poller is not None:
+                poller.unregister(self.cmd_fd)
+            os.close(self.cmd_fd)
+        self.cmd_pid, self.cmd_done = pid, False
+        self.cmd_fd = _pidfd(pid, stamp)
+        if self.cmd_fd is None:
+            self.cmd_done = True
+        elif poller is not None:
+            poller.register(self.cmd_fd, select.POLLIN)
+
+    def _find_spawned(self, poller: select.poll | None) -> None:
+        """The wrapper died between spawning COMMAND and telling us its pid (kill -9): find it by
+        our ticket in its environment, as if told. A process just spawned may take a moment to
+        exec; one that never started (the wrapper died before the spawn) is not waited for long."""
+        self.spawning = False
+        deadline = time.monotonic() + _SPAWNED_FOUND_WITHIN
+        while (found := proc.spawned_with_env(ENV_TICKET, self.lease.ticket.ticket_id)) is None:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
+            self.lease.keep()
+        self._started(*found, poller)
 
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
@@ -250,12 +273,15 @@ class Holder:
             self.lease.keep()
             if msg is None:
                 continue
-            if msg.kind == protocol.STARTED:
-                self.cmd_pid, self.cmd_fd = msg.pid, _pidfd(msg.pid, msg.stamp)
-                self.cmd_done = self.cmd_fd is None
+            if msg.kind == protocol.SPAWNING:
+                self.spawning = True
+            elif msg.kind == protocol.STARTED:
+                self._started(msg.pid, msg.stamp, None)
                 return
-            if msg.kind == protocol.EXITED:
+            elif msg.kind == protocol.EXITED:
                 return
+        if self.spawning:
+            self._find_spawned(None)
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
@@ -303,6 +329,8 @@ class Holder:
             os._exit(0)
 
 
+# A wrapper killed mid-spawn: how long the holder looks for the process it may have started.
+_SPAWNED_FOUND_WITHIN = 1.0
 # How often the lock is kept while COMMAND is being stopped (an etcd lease's keepalive).
 _KEEP_EVERY = 0.5
 # After SIGKILL a group is gone in moments; a process stuck in the kernel (D state) runs

@@ -388,6 +388,8 @@ class Runner:
 
     def _spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
         """COMMAND in its own process group; -126/-127 when it cannot be started."""
+        # Killed between the spawn and ``started``, we leave the holder a hint to find it by.
+        chan.send(protocol.Message(protocol.SPAWNING))
         try:
             pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
         except OSError as exc:
@@ -396,6 +398,7 @@ class Runner:
             self.log.error(f"command {what}: {argv[0]}: {exc.strerror}")
             return -int(code)
         self.cmd_pid = pid
+        fault.point("after-command-spawn")
         self.tty.give(pid)
         chan.send(protocol.started(pid, proc.start_time(pid) or 0))
         for sig in self.pending:

@@ -139,6 +139,27 @@ def _waiters(procs: Procs, job: str) -> int:
     return len(locks[0]["waiters"]) if locks else 0
 
 
+def test_a_wrapper_killed_right_after_starting_command_keeps_the_lock_until_command_ends(
+    backend: str, procs: Procs, work: Path, env: dict[str, str]
+) -> None:
+    """kill -9 of pearing-run between COMMAND's spawn and telling its holder the pid. The holder
+    used to see EOF with no COMMAND known and release at once: B ran beside A. It now finds
+    COMMAND by the ticket in its environment and keeps the lock until COMMAND ends."""
+    log = work / "log"
+    armed = dict(env, PEARING_FAULT="after-command-spawn")
+    # Not through pipes: reading them to EOF would wait for COMMAND, which inherits them.
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    a = procs.pr("--job", "k", "--", *logged(log, "A", seconds=2), env=armed, **quiet)
+    assert a.wait(15) == -signal.SIGKILL
+    wait_for(lambda: started(log, "A"), 15, "A to start")
+    b = procs.pr_run("--job", "k", "--wait-seconds", "30", "--", *logged(log, "B", seconds=0))
+    assert b.returncode == 0, b
+    wait_for(lambda: "A end" in log.read_text(), 15, "A's COMMAND to run to its end")
+    spans = intervals(log)
+    a_end = spans["A"][1] or 0.0
+    assert spans["B"][0] >= a_end, f"B started {a_end - spans['B'][0]:.3f} s before A ended"
+
+
 @pytest.mark.parametrize("frozen", ["holder", "holder-and-wrapper"])
 def test_a_holder_frozen_before_it_is_ready_never_lets_two_commands_run(
     backend: str, frozen: str, procs: Procs, work: Path

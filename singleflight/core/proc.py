@@ -125,6 +125,32 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def spawned_with_env(name: str, value: str) -> tuple[int, int] | None:
+    """(pid, start time) of the process whose environment, as it was exec'd, holds
+    ``name=value`` and whose parent's does not: the root of what a dead parent spawned
+    with it, if it leads its own process group; else None. Reads every visible
+    ``/proc/PID/environ`` (the caller's user's processes): for rare paths only."""
+    entry = b"\0" + f"{name}={value}".encode() + b"\0"
+    found: dict[int, tuple[int, int, int]] = {}  # pid: (parent, group, start time)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        pid = int(d)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry not in b"\0" + f.read():
+                    continue
+            with open(_PROC_STAT.format(pid), "rb") as f:
+                data = f.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        fields = data[data.rindex(b")") + 2 :].split()
+        if fields[0] not in (b"Z", b"X"):
+            found[pid] = (int(fields[1]), int(fields[2]), int(fields[19]))
+    roots = [(start, pid) for pid, (parent, group, start) in found.items() if parent not in found and group == pid]
+    return (min(roots)[1], min(roots)[0]) if roots else None
+
+
 def script(main: Callable[[], int]) -> NoReturn:
     """A console script: ``main()``, its output flushed, then out without tearing the
     interpreter down. Freeing every module's objects costs milliseconds of CPU, and

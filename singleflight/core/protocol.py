@@ -10,7 +10,8 @@ streams that report EOF when the peer dies.
                       released                  the lock is free again (last message)
                       ended                     the ticket ended before it was held
                       error NAME MESSAGE        failed; NAME is an ExitCode member
-    owner -> holder   started PID STAMP         COMMAND (or the Lock's process) runs
+    owner -> holder   spawning                  COMMAND is about to start (its pid comes next)
+                      started PID STAMP         COMMAND (or the Lock's process) runs
                       exited STATUS|unknown     it ended: record, release, hand over
 """
 
@@ -30,6 +31,7 @@ ENDED = "ended"
 ERROR = "error"
 STARTED = "started"
 EXITED = "exited"
+SPAWNING = "spawning"
 
 
 class Message:
@@ -128,7 +130,7 @@ def decode(line: str) -> Message:
             return Message(STARTED, pid=int(pid), stamp=int(stamp))
         if word == EXITED:
             return Message(EXITED, status=None if rest == "unknown" else int(rest))
-        if word in (QUEUED, RELEASED, ENDED) and not rest:
+        if word in (QUEUED, RELEASED, ENDED, SPAWNING) and not rest:
             return Message(word)
     except (ValueError, KeyError):
         pass
