@@ -14,6 +14,11 @@ The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
     place.queue(); grip = place.wait(deadline)     # FIFO, bounded, woken by the backend
     lease, taken = lock.take(grip, ticket, ...)    # in the holder: fence, token, token file
     Holder(lease, ...).serve()                     # renew / check / end / release
+
+A holder is forked with the grip (the lock dir: its flocked fd passes to the holder only
+that way), or, where a grip is data (etcd: ``LockOps.holder_waits_too``), as the run starts
+to wait; it is then handed the grip (``Grip.handover``, ``LockOps.grip_from``) once the run is
+first, and no fork lies between the previous holder's release and COMMAND's start.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ class Grip(Protocol):
 
     def release(self) -> None:
         """The holder is gone and COMMAND is dead: free the lock now."""
+
+    def handover(self) -> dict[str, Any]:
+        """What a holder forked before this grip existed needs to take it over (``grip_from``).
+        Only asked where ``LockOps.holder_waits_too`` (a lock dir's grip is an fd: {})."""
 
 
 class Place(Protocol):
@@ -146,6 +155,15 @@ class LockOps(Protocol):
         """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""
 
     # -- acquiring ---------------------------------------------------------------------------
+    @property
+    def holder_waits_too(self) -> bool:
+        """May a run that has to wait fork its holder as it starts waiting, and hand it the grip
+        by message (``Grip.handover``, ``grip_from``) once first? (etcd: yes, a grip is data;
+        the lock dir: no, its flocked fd passes to the holder only by the fork.)"""
+
+    def grip_from(self, info: dict[str, Any]) -> Any:
+        """In a holder forked as its run started to wait: the grip its run handed over."""
+
     def enter(self, ticket: Ticket) -> Place: ...
 
     def cancel_holder(self, ticket: Ticket) -> float | None:

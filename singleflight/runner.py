@@ -157,6 +157,8 @@ class Runner:
         self.grip: Grip | None = None
         self.started_mono = 0.0
         self.tty = Terminal()
+        # The holder forked as the run started to wait, where a grip can be handed over later.
+        self.standby: Channel | None = None
 
     # -- top level ---------------------------------------------------------
 
@@ -177,6 +179,15 @@ class Runner:
             cancel_in_progress=o.cancel_in_progress,
             kill_grace=o.kill_grace,
         )
+        try:
+            return self._run()
+        finally:
+            if self.standby is not None:  # the run ended without the lock: the holder goes (EOF)
+                self.standby.close()
+                self.standby = None
+
+    def _run(self) -> int:
+        o = self.o
         if self._done_recently():
             return 0
         claimed = False
@@ -252,6 +263,8 @@ class Runner:
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
             self.log.event("waiting", lock=o.job, position=position, max_wait=f"{o.wait_seconds:g}s")
+            if lk.holder_waits_too and self.standby is None:
+                self.standby = self._fork_holder(None)
 
         grip = acquire(
             lk,
@@ -277,21 +290,11 @@ class Runner:
     # -- holding -----------------------------------------------------------
 
     def _hold_and_run(self, grip: Grip) -> int:
-        from singleflight.holder import HolderConfig
-
         o = self.o
-        cfg = HolderConfig(
-            heartbeat_auto=o.heartbeat_auto,
-            max_runtime=o.max_runtime,
-            kill_grace=o.kill_grace,
-            request_uuid=o.request_uuid,
-            dedupe_window=o.dedupe_window,
-            record_success=o.min_interval is not None,
-        )
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._forward)
         self.grip = grip
-        chan = self._fork_holder(grip, cfg)
+        chan = self._hand_over(grip) or self._fork_holder(grip)
         fault.point("after-holder-spawn")
         msg = self._await_ready(chan, grip)
         if msg is None or msg.kind != protocol.READY:
@@ -343,9 +346,30 @@ class Runner:
             grip.keep()
         return msg
 
-    def _fork_holder(self, grip: Grip, cfg: HolderConfig) -> Channel:
+    def _hand_over(self, grip: Grip) -> Channel | None:
+        """The grip to the holder forked as we started to wait; None if there is none (or it died)."""
+        chan, self.standby = self.standby, None
+        if chan is None or chan.send(protocol.go(grip.handover())):
+            return chan
+        chan.close()
+        _reap(self.holder_pid)
+        return None
+
+    def _fork_holder(self, grip: Grip | None) -> Channel:
+        """The holder, with ``grip``; or (None) as the run starts to wait, to be handed the grip
+        once first (``_hand_over``): no fork then lies between a hand-over and COMMAND's start."""
         from singleflight.core.protocol import Channel
-        from singleflight.holder import HOLDER_SIGNALS, detach
+        from singleflight.holder import HOLDER_SIGNALS, HolderConfig, detach
+
+        o = self.o
+        cfg = HolderConfig(
+            heartbeat_auto=o.heartbeat_auto,
+            max_runtime=o.max_runtime,
+            kill_grace=o.kill_grace,
+            request_uuid=o.request_uuid,
+            dedupe_window=o.dedupe_window,
+            record_success=o.min_interval is not None,
+        )
 
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
@@ -356,10 +380,9 @@ class Runner:
         if pid == 0:  # the holder
             code = ExitCode.SOFTWARE
             try:
-                fault.pause("pause-holder-start")
                 os.close(to_w)
                 os.close(from_r)
-                detach({*grip.fds(), to_r, from_w})
+                detach({*(grip.fds() if grip is not None else ()), to_r, from_w})
                 code = _serve(self.o, self.ticket, grip, cfg, Channel(to_r, from_w))
             finally:
                 os._exit(int(code))
@@ -582,13 +605,20 @@ class Runner:
         return int(ExitCode.SOFTWARE)
 
 
-def _serve(o: RunOptions, ticket: Ticket, grip: Grip, cfg: HolderConfig, chan: Channel) -> ExitCode:
-    """In the forked holder: take ownership, report, and serve the lease."""
+def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, chan: Channel) -> ExitCode:
+    """In the forked holder: take ownership, report, and serve the lease. Forked without the
+    grip (as the run started to wait), first wait for it."""
     from singleflight.holder import Holder
 
     try:
         # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
         lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job, create=False)
+        if grip is None:
+            msg = chan.recv()
+            if msg is None or msg.kind != protocol.GO:
+                return ExitCode.OK  # the run ended without the lock (timed out, busy, killed)
+            grip = lk.grip_from(msg.info)
+        fault.pause("pause-holder-start")
         lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))
         Holder(lease, cfg, chan).serve()

@@ -8,6 +8,7 @@ COMMAND; the assertions are on those stamps, on exit codes and on the cluster's 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -17,10 +18,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from etcd_cluster import Cluster
-from helpers import PEARING_CLI, Gate, Procs, q, wait_for
+from helpers import PEARING_CLI, Gate, Procs, pid_alive, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -287,3 +289,83 @@ def test_a_sigkilled_waiter_leaves_the_line_within_5_s(procs: Procs, work: Path,
     assert time.monotonic() - killed < WAIT_TTL + 2.0
     work_gate.open()
     assert procs.finish(holder).returncode == 0
+
+
+# -- 5. hand-over: the holder is forked while the run waits ------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                data = Path(f"/proc/{name}/stat").read_bytes()
+                fields = data[data.rindex(b")") + 2 :].split()
+                if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+                    out.append(int(name))
+    return out
+
+
+def _holder_pid(procs: Procs, job: str) -> int | None:
+    out = procs.run_text([PEARING_CLI, "status", job, "--json"]).json
+    h = out[0]["holder"] if out else None
+    return int(h["holder_pid"]) if h and h.get("holder_pid") else None
+
+
+def _waiting_behind(procs: Procs, work: Path, job: str, etcd: Cluster, *cmd: str) -> tuple[Gate, Any, Any, int]:
+    """A holds the lock on a gate; B waits behind it with ``cmd``: (A's gate, A, B, B's waiting holder)."""
+    procs.env[ENV_BACKEND] = etcd.url
+    gate = Gate(work)
+    a = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    b = procs.pr("--job", job, *cmd)
+    wait_queued(etcd.url, job, 2)
+    (standby,) = wait_for(lambda: _children(b.pid), 10, "B's holder, forked as B started to wait")
+    return gate, a, b, standby
+
+
+def test_a_waiting_run_hands_the_lock_to_the_holder_it_forked_while_waiting(
+    procs: Procs, work: Path, job: str, etcd: Cluster
+) -> None:
+    """No fork between A's release and B's COMMAND: the process that serves B's lease is the
+    one B forked as it started to wait (it was told the grip when B was first)."""
+    b_gate = Gate(work, "b-gate")
+    gate, a, b, standby = _waiting_behind(
+        procs, work, job, etcd, "--wait-seconds", "60", "--", "sh", "-c", b_gate.script()
+    )
+    gate.open()
+    assert procs.finish(a).returncode == 0
+    b_gate.wait_ready()
+    assert _holder_pid(procs, job) == standby
+    b_gate.open()
+    assert procs.finish(b).returncode == 0
+    wait_for(lambda: not pid_alive(standby), 10, "B's holder to exit after the release")
+
+
+def test_a_run_whose_waiting_holder_was_killed_forks_another(procs: Procs, work: Path, job: str, etcd: Cluster) -> None:
+    """kill -9 of the holder forked while B waited: B hears nothing until it is first, then
+    finds it gone (EPIPE) and forks one the usual way; B's COMMAND runs under it."""
+    done = work / "b-ran"
+    gate, a, b, standby = _waiting_behind(
+        procs, work, job, etcd, "--wait-seconds", "60", "--", "sh", "-c", f"echo $PEARING_FENCE > {q(done)}"
+    )
+    os.kill(standby, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(standby), 10, "the killed holder to go")
+    gate.open()
+    assert procs.finish(a).returncode == 0
+    r = procs.finish(b)
+    assert r.returncode == 0, r
+    assert done.read_text().strip().isdigit()
+
+
+def test_a_run_that_gives_up_waiting_leaves_no_holder_behind(procs: Procs, work: Path, job: str, etcd: Cluster) -> None:
+    gate, a, b, standby = _waiting_behind(
+        procs, work, job, etcd, "--wait-seconds", "2", "--", "touch", str(work / "never")
+    )
+    r = procs.finish(b)
+    assert r.returncode == ExitCode.BUSY, r
+    wait_for(lambda: not pid_alive(standby), 10, "the waiting holder to exit with its run")
+    gate.open()
+    assert procs.finish(a).returncode == 0
+    assert not (work / "never").exists()

@@ -10,7 +10,9 @@ streams that report EOF when the peer dies.
                       released                  the lock is free again (last message)
                       ended                     the ticket ended before it was held
                       error NAME MESSAGE        failed; NAME is an ExitCode member
-    owner -> holder   spawning                  COMMAND is about to start (its pid comes next)
+    owner -> holder   go {json}                 first in line: the grip (to a holder forked
+                                                as the run started to wait)
+                      spawning                  COMMAND is about to start (its pid comes next)
                       started PID STAMP         COMMAND (or the Lock's process) runs
                       exited STATUS|unknown     it ended: record, release, hand over
 """
@@ -31,6 +33,7 @@ ENDED = "ended"
 ERROR = "error"
 STARTED = "started"
 EXITED = "exited"
+GO = "go"
 SPAWNING = "spawning"
 
 
@@ -55,8 +58,8 @@ class Message:
 
     def encode(self) -> str:
         k = self.kind
-        if k == READY:
-            return f"{READY} {json.dumps(self.info)}"
+        if k in (READY, GO):
+            return f"{k} {json.dumps(self.info)}"
         if k == LOST:
             return f"{LOST} {self.text}"
         if k == ERROR:
@@ -95,6 +98,10 @@ def ready(taken: Taken) -> Message:
     return Message(READY, info=info)
 
 
+def go(grip: dict[str, Any]) -> Message:
+    return Message(GO, info=grip)
+
+
 def lost(reason: str) -> Message:
     return Message(LOST, text=reason)
 
@@ -115,11 +122,11 @@ def decode(line: str) -> Message:
     """The message of one line; an unknown or garbled line is an ERROR (a bug), never a crash."""
     word, _, rest = line.partition(" ")
     try:
-        if word == READY:
+        if word in (READY, GO):
             info = json.loads(rest)
             if not isinstance(info, dict):
                 raise ValueError(rest)
-            return Message(READY, info=info)
+            return Message(word, info=info)
         if word == LOST:
             return Message(LOST, text=rest)
         if word == ERROR:

@@ -160,6 +160,11 @@ class EtcdLock:
         self._minted: dict[str, str] = {}
         self._tokens: TokenFiles | None = None
 
+    holder_waits_too = True  # a grip is data: handed to a holder forked as the run starts to wait
+
+    def grip_from(self, info: dict[str, Any]) -> EtcdGrip:
+        return EtcdGrip.from_handover(self.cluster, info)
+
     def close(self) -> None:
         if self._tokens is not None:
             self._tokens.close()

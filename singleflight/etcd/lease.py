@@ -20,7 +20,7 @@ from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, SUPERSEDED
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
-from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.etcd.client import Cluster, Refused, b64, cmp, op_delete, op_put, op_range, ranged, revision, unb64
 from singleflight.etcd.lock import WAIT_TTL, Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
 from singleflight.etcd.watch import KeyWatch
 
@@ -90,6 +90,42 @@ class EtcdGrip:
 
     def fds(self) -> set[int]:
         return set()
+
+    def handover(self) -> dict[str, Any]:
+        kv = self.kv
+        return {
+            "kv": {
+                "key": str(kv["key"]),
+                "value": b64(kv["value"]),
+                "create_revision": int(kv["create_revision"]),
+                "mod_revision": int(kv["mod_revision"]),
+                "lease": int(kv.get("lease") or 0),
+            },
+            "lease": self.lease,
+            "ttl": self.ttl,
+            "token": self.token,
+            "kept_at": self.kept_at,
+            "waiting_lease": self.waiting_lease,
+            "waiting_kept_at": self.waiting_kept_at,
+            "keep_lease": self.keep_lease,
+        }
+
+    @classmethod
+    def from_handover(cls, cluster: Cluster, info: dict[str, Any]) -> EtcdGrip:
+        """The grip ``handover`` described (monotonic stamps are the host's, shared by its processes)."""
+        kv = dict(info["kv"])
+        kv["value"] = unb64(str(kv["value"]))
+        return cls(
+            cluster,
+            int(info["lease"]),
+            kv,
+            int(info["ttl"]),
+            kept_at=float(info["kept_at"]),
+            token=str(info["token"]),
+            waiting_lease=int(info["waiting_lease"]),
+            waiting_kept_at=float(info["waiting_kept_at"]),
+            keep_lease=int(info["keep_lease"]),
+        )
 
     def keep(self) -> None:
         with contextlib.suppress(BackendUnavailable, Refused):

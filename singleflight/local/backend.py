@@ -64,6 +64,9 @@ class FlockGrip:
 
     release = close
 
+    def handover(self) -> dict[str, Any]:
+        return {}  # an fd: the holder gets it by the fork (``LocalLock.holder_waits_too``)
+
 
 def _on_poke(signum: int, frame: FrameType | None) -> None:
     raise queue.Interrupted
@@ -206,6 +209,11 @@ class LocalLock:
 
     def close(self) -> None:
         self.store.close()
+
+    holder_waits_too = False  # the holder needs the flocked fd: forked with it, once ours
+
+    def grip_from(self, info: dict[str, Any]) -> FlockGrip:
+        raise AssertionError("the lock dir forks its holder with the grip")
 
     # -- requests ------------------------------------------------------------------------
 
