@@ -291,6 +291,11 @@ class Procs:
                 out.append(int(name))
         return out
 
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """Until every process started here, and all they forked, has exited: a holder tidies up
+        (``housekeeping``) after its pearing-run has returned."""
+        wait_for(lambda: not self._marked_pids(), timeout, "the runs and their holders to exit")
+
     def _holder_pids(self, ours: set[int]) -> Iterable[int]:
         """Holders named by ticket records, if they are still alive and ours (not a reused pid)."""
         locks = self.lock_dir / "locks"

@@ -176,6 +176,7 @@ def test_planted_symlink_at_the_ledger_is_refused(
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o720, 0o702, 0o1777])
 def test_loose_lock_dir_is_refused(procs: Procs, lock_dir: Path, work: Path, mode: int) -> None:
     assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+    procs.wait_idle()
     lock_dir.chmod(mode)
     before = tree(lock_dir)
     r = procs.pr_run("--job", "J", "--", "touch", str(work / "ran"))
@@ -191,6 +192,7 @@ def test_loose_lock_dir_is_refused(procs: Procs, lock_dir: Path, work: Path, mod
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_foreign_lock_dir_is_refused(procs: Procs, lock_dir: Path, work: Path) -> None:
     assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+    procs.wait_idle()
     os.chown(lock_dir, 65534, 65534)
     before = tree(lock_dir)
     r = procs.pr_run("--job", "J", "--", "touch", str(work / "ran"))
