@@ -17,7 +17,8 @@ from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_st
 from singleflight.core.const import ExitCode
 from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.client import cmp, op_put
-from singleflight.etcd.lock import WAIT_TTL, Mutex, margin_of, owner_of, parse, value
+from singleflight.etcd.lock import WAIT_TTL, Mutex
+from singleflight.etcd.records import margin_of, owner_of, parse, value
 
 
 def line(url: str, job: str) -> list[dict[str, Any]]:

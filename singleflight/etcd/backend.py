@@ -12,7 +12,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,7 +26,6 @@ from singleflight.core.const import (
     ENV_BACKEND,
     EXPIRED,
     HELD,
-    QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
     WAITING,
@@ -36,112 +35,18 @@ from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.core.tokens import Claim, TokenFiles, Verdict, mint_token, token_hash
-from singleflight.etcd import events
-from singleflight.etcd import lock as recipe
+from singleflight.etcd import events, records
+from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
 from singleflight.etcd.lease import EtcdGrip, EtcdLease, margin_for
-from singleflight.etcd.lock import (
-    FIRST,
-    WAIT_TTL,
-    Mutex,
-    deadline_mono,
-    margin_of,
-    parse,
-    parse_ticket,
-    stamp_lease,
-    ttl_of,
-)
+from singleflight.etcd.lock import Mutex, ttl_of
+from singleflight.etcd.place import EtcdPlace
+from singleflight.etcd.records import deadline_mono, margin_of, parse, parse_ticket, stamp_lease
 from singleflight.etcd.watch import DeleteWatch
 
 _REQUEST_RETENTION = 24 * 3600.0
 # How long a release waits for a holder on this host to let go.
 _RELEASE_WAIT = 10.0
-
-
-class EtcdPlace:
-    """One arrival: the lock at once (``grip``), or a key at the end of the line on a waiting lease."""
-
-    def __init__(
-        self, lk: EtcdLock, ticket: Ticket, lease: int, grip: EtcdGrip | None, kv: dict[str, Any] | None = None
-    ) -> None:
-        self.lk, self.ticket, self.lease, self.grip = lk, ticket, lease, grip
-        self.kv = kv  # our key, once in line (a CLI ticket's agent finds it there already)
-        self.waiting_lease = 0
-        self.waiting_kept = 0.0  # when a keepalive of the waiting lease that succeeded was sent
-        self.keep_lease = 0
-        self.gone = False
-
-    def queue(self, deadline: float) -> int:
-        mutex = self.lk.mutex
-        # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
-        self.waiting_kept = time.monotonic()
-        self.waiting_lease = self.lk.cluster.grant(WAIT_TTL)
-        if self.ticket.queue_mode == QUEUE_LATEST:
-            kv, ahead = events.join_latest(mutex, self.ticket, self.waiting_lease, self.lease, self.kv)
-            self.gone = kv is None  # superseded or cancelled before we got here
-            self.kv = kv or self.kv
-        elif self.kv is None:
-            self.kv, ahead = mutex.join(self.ticket, self.waiting_lease)
-        else:
-            kv, ahead = mutex.rehome(self.kv, self.waiting_lease)
-            self.gone = kv is None  # cancelled (release-lock-ticket) before we got here
-            self.kv = kv or self.kv
-        # Granted now, while there is time: the end record goes straight onto it at the release,
-        # and no grant-and-put lands on the cluster during the next hand-over.
-        self.keep_lease = self.lk.cluster.grant(int(ENDED_TICKET_RETENTION))
-        return max(1, ahead)
-
-    def wait(self, deadline: Callable[[], float]) -> EtcdGrip | None:
-        if self.gone or self.kv is None:
-            return None
-
-        end = math.inf
-
-        def until() -> float:
-            nonlocal end
-            end = deadline()  # a cluster read: asked when the wait starts and every tick, not at the hand-over
-            return end
-
-        mutex, kv = self.lk.mutex, self.kv
-        latest = self.ticket.queue_mode == QUEUE_LATEST
-        outcome, mine = mutex.wait_first(
-            kv["key"], kv["create_revision"], until, self._tick, ticket_id=self.ticket.ticket_id, watch_mine=latest
-        )
-        if outcome != FIRST or mine is None:
-            return None
-        # A waiter frozen (^Z) past its own deadline and resumed never takes the lock. (A
-        # cancelled ticket is caught by the read that found it first: its key is ended.)
-        if time.monotonic() >= end:
-            return None
-        tid = self.ticket.ticket_id
-        self.grip = EtcdGrip(
-            self.lk.cluster,
-            self.lease,
-            mine,
-            ttl_of(self.ticket.lease_seconds),
-            kept_at=self.lk.kept_at(tid),
-            token=self.lk.token_of(tid),
-            waiting_lease=self.waiting_lease,
-            waiting_kept_at=self.waiting_kept,
-            keep_lease=self.keep_lease,
-        )
-        return self.grip
-
-    def _tick(self) -> bool:
-        """Every second while waiting: keep our place and the holder's lease. A waiter frozen
-        (^Z) renews neither: its key leaves the line within WAIT_TTL, and once resumed it never
-        takes the lock after its own deadline (``wait``)."""
-        sent = time.monotonic()
-        if self.lk.cluster.keepalive(self.waiting_lease) <= 0:
-            return False
-        self.waiting_kept = sent
-        return self.lk.keep_hold(self.ticket)
-
-    def leave(self) -> None:
-        if self.grip is None:
-            for lease in (self.waiting_lease, self.lease, self.keep_lease):
-                if lease:
-                    self.lk.cluster.revoke(lease)
 
 
 class EtcdLock:
@@ -345,7 +250,7 @@ class EtcdLock:
         key, copy, bodies = mutex.q + ticket.ticket_id, mutex.t + ticket.ticket_id, []
         for promoted in (False, True):
             ticket.promoted = promoted
-            bodies.append(recipe.value(ticket, lease))
+            bodies.append(records.value(ticket, lease))
         r = self.cluster.txn(
             [cmp(mutex.q, "CREATE", "EQUAL", 0, prefix=True), cmp(mutex.g, "CREATE", "EQUAL", 0, prefix=True)],
             [op_put(key, bodies[0], lease), op_put(copy, bodies[0], keep)],
@@ -395,7 +300,7 @@ class EtcdLock:
                 return None
             t.holder_pid, t.holder_start, t.holder_host = pid, proc.start_time(pid), os.uname().nodename
             self._mint(t)
-            body = recipe.value(t, kv["lease"])
+            body = records.value(t, kv["lease"])
             # Compare-and-swap: the owner may heartbeat the waiting ticket meanwhile.
             r = self.cluster.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], [])
             if r.get("succeeded"):
@@ -455,8 +360,8 @@ class EtcdLock:
             if before is not None and before <= time.monotonic():
                 raise NotHeld(ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
             stamp_lease(t, seconds)
-            body = recipe.value(
-                t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=recipe.owner_of(kv["value"])
+            body = records.value(
+                t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
             )
             try:
                 r = self.cluster.txn(
@@ -497,7 +402,7 @@ class EtcdLock:
         stored = parse(kv["value"])
         final = RELEASED if t.state == HELD else CANCELLED
         here = t.holder_host == os.uname().nodename
-        owner = recipe.owner_of(kv["value"])
+        owner = records.owner_of(kv["value"])
         if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*owner):
             # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
             # while COMMAND lives: nobody else will let go of the key.
@@ -563,7 +468,7 @@ class EtcdLock:
             if t is None:
                 # etcdctl lock, Go's concurrency.NewMutex: a holder or waiter of another client's.
                 left = self.cluster.ttl(kv["lease"]) if kv["lease"] else -1
-                entries.append(recipe.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None))
+                entries.append(records.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None))
                 if i == 0:
                     lease_left = float(left) if left >= 0 else None
                 continue
@@ -663,7 +568,7 @@ class EtcdBackend:
 
     def verify(self, claim: Claim) -> Verdict:
         try:
-            ok, reason, fence, ticket_id = recipe.verify(
+            ok, reason, fence, ticket_id = recipe_guard.verify(
                 self.cluster, claim.repo, claim.lock, claim.ticket_id, token_hash(claim.token)
             )
         except BackendUnavailable as exc:
@@ -683,7 +588,7 @@ class EtcdBackend:
                 raise NotHeld(found.ticket_id or "-", found.reason)
             tid = found.ticket_id
             claim = Claim(claim.lock, claim.repo, tid, claim.token, lock_dir=claim.lock_dir, backend=claim.backend)
-        held = recipe.hold_guard(self.cluster, claim.repo, claim.lock, tid, seconds)
+        held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, tid, seconds)
         if held is None:
             raise NotHeld(tid, "unknown token or lease expired")
         try:
@@ -695,4 +600,4 @@ class EtcdBackend:
             self.cluster.revoke(held[1])
 
     def accept_fence(self, resource: str, fence: int) -> int:
-        return recipe.accept_fence(self.cluster, resource, fence)
+        return recipe_guard.accept_fence(self.cluster, resource, fence)

@@ -24,7 +24,8 @@ from singleflight.core import proc
 from singleflight.core.const import CANCELLED, DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST, SUPERSEDED
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
-from singleflight.etcd.lock import Mutex, margin_of, owner_of, parse, value
+from singleflight.etcd.lock import Mutex
+from singleflight.etcd.records import margin_of, owner_of, parse, value
 
 
 def join_latest(

@@ -21,7 +21,8 @@ from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd.client import Cluster, Refused, b64, cmp, op_delete, op_put, op_range, ranged, revision, unb64
-from singleflight.etcd.lock import WAIT_TTL, Mutex, deadline_mono, parse, stamp_lease, ttl_of, value
+from singleflight.etcd.lock import WAIT_TTL, Mutex, ttl_of
+from singleflight.etcd.records import deadline_mono, parse, stamp_lease, value
 from singleflight.etcd.watch import KeyWatch
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.

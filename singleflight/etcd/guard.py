@@ -1,0 +1,136 @@
+"""The guard's side of the etcd backend: is a token live (``verify``), an in-flight guarded
+command (``hold_guard``), the fence ledger (``accept_fence``)."""
+
+from __future__ import annotations
+
+import time
+
+from singleflight.core.ticket import rfc3339
+from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged
+from singleflight.etcd.lock import Mutex, ttl_of
+from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of
+
+
+def verify(
+    cluster: Cluster, repo: str, lock: str, ticket_id: str | None, token_hash: str
+) -> tuple[bool, str, int | None, str | None]:
+    """(live, reason, fence, ticket id) for a token of a ticket held in etcd.
+
+    Live means what the holder itself believes: our key first in line, its token not
+    ended, its recorded lease deadline not passed, and its etcd lease further from
+    expiry than the margin at which a holder cut off from the cluster gives up.
+
+    Without ``ticket_id`` (PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone) the ticket
+    is the one in line whose token hash matches, found in the same single read (the whole
+    line, with values). A token not in line is unknown, as the lock dir, which looks only
+    among its live tickets, says too.
+    """
+    import hmac
+
+    el = Mutex(cluster, repo, lock)
+
+    if ticket_id:
+        head = op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True)
+        r = cluster.txn(
+            [],
+            [
+                head,
+                op_range(el.q + ticket_id),
+                op_range(el.e + ticket_id),
+                op_range(el.base + "last"),
+                op_range(el.a + ticket_id),
+            ],
+            [],
+        )
+        (first, _), (mine, _), (ended, _), (last, _), (alias, _) = (ranged(r, i) for i in range(5))
+        mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
+        target = alias[0]["value"].decode(errors="replace") if alias and not mine else ""
+        if target.startswith(el.q):
+            # It took over an older `latest` waiter's key: the head and that key, at one revision.
+            r = cluster.txn([], [head, op_range(target)], [])
+            (first, _), (mine, _) = ranged(r, 0), ranged(r, 1)
+            mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
+    else:
+        line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
+        first, ended, last = line[:1], [], []
+        for kv in line:
+            t = parse(kv["value"])
+            # Constant-time compare: a forger learns nothing from timing.
+            if t is not None and hmac.compare_digest(t.token_hash or "", token_hash):
+                mine, ticket_id = [kv], t.ticket_id
+                break
+        else:
+            mine = []
+    if not mine:
+        t = parse(ended[0]["value"]) if ended else None
+        if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
+            newer = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
+            if newer is not None and t.fence is not None and newer > t.fence:
+                return False, f"superseded by fence {newer}", t.fence, ticket_id
+            return False, f"{t.state} ({t.end_reason})", t.fence, ticket_id
+        return False, "unknown or forged token (or its lease expired)", None, None
+    kv = mine[0]
+    t = parse(kv["value"])
+    if t is None or not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
+        return False, "unknown or forged token", None, None
+    fence = kv["create_revision"]
+    if first[0]["key"] != kv["key"]:
+        return False, "not the holder: waiting in line", None, ticket_id
+    if not t.live:
+        return False, t.describe_end(), fence, ticket_id
+    due = deadline_mono(t)
+    if due is not None and due <= time.monotonic():
+        return False, f"lease expired at {rfc3339(t.lease_expires_at)}", fence, ticket_id
+    left = cluster.ttl(kv["lease"])  # whole seconds, rounded down
+    if left <= margin_of(kv["value"]):
+        return False, "lease expired: its holder cannot reach the cluster", fence, ticket_id
+    return True, "live", fence, ticket_id
+
+
+def _int(raw: bytes) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
+    """The ledger as an etcd key, updated by compare-and-swap on its mod revision."""
+    from singleflight.core.errors import StaleFence
+
+    key = f"{cluster.root}ledger/{resource}"
+    while True:
+        kv = cluster.get(key)
+        highest = int(kv["value"]) if kv else 0
+        if fence < highest:
+            raise StaleFence(resource, fence, highest)
+        if fence == highest:
+            return fence
+        check = cmp(key, "MOD", "EQUAL", kv["mod_revision"]) if kv else cmp(key, "CREATE", "EQUAL", 0)
+        if cluster.txn([check], [op_put(key, str(fence).encode())], []).get("succeeded"):
+            return fence
+
+
+def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: float) -> tuple[str, int] | None:
+    """Register an in-flight guarded command, only while our ticket key exists.
+
+    A new pearing holder waits for these keys to go (``Mutex.wait_first``), so the side
+    effect lands before the next holder proceeds. etcd's own lock clients know nothing
+    of them. Returns (key, lease) or None.
+    """
+    import uuid
+
+    el = Mutex(cluster, repo, lock)
+    lease = cluster.grant(ttl_of(seconds + 2))
+    key = el.g + str(uuid.uuid4())
+    guard = op_put(key, ticket_id.encode(), lease)
+    r = cluster.txn([cmp(el.q + ticket_id, "CREATE", "GREATER", 0)], [guard], [])
+    if not r.get("succeeded"):
+        # Not under its own name: it may hold the key of a `latest` waiter it took over.
+        mine = el.find(ticket_id)
+        if mine is not None:
+            r = cluster.txn([cmp(mine["key"], "CREATE", "EQUAL", mine["create_revision"])], [guard], [])
+    if not r.get("succeeded"):
+        cluster.revoke(lease)
+        return None
+    return key, lease
