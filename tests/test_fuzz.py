@@ -324,6 +324,8 @@ class Example:
         self.run([PEARING_GUARD, "verify", "--token-file", str(token_file or self.token_file)])
 
     def finish(self) -> None:
+        # A holder tidies up after its pearing-run returned: its writes are part of what we check.
+        self.procs.wait_idle()
         issued = [int(x) for x in self.fences.read_text().split()] if self.fences.exists() else []
         assert all(f > self.base.highest for f in issued), f"a fence reissued or lowered: {issued}"
         assert issued == sorted(set(issued)), f"fences not strictly increasing: {issued}"
