@@ -18,11 +18,11 @@ from typing import NoReturn
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
+from singleflight.cli._script import script
 from singleflight.core import fault, names
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
-from singleflight.core.proc import script
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"

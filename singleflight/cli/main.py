@@ -16,6 +16,7 @@ import typer
 
 from singleflight import __version__, ops
 from singleflight.backend import Backend, backend_url, open_backend
+from singleflight.cli._script import script
 from singleflight.core import identity, keys, names
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
@@ -29,7 +30,6 @@ from singleflight.core.const import (
 from singleflight.core.errors import PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
-from singleflight.core.proc import script
 
 PROG = "pearing-cli"
 app = typer.Typer(

@@ -10,6 +10,7 @@ from typing import NoReturn
 from singleflight import __version__
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
+from singleflight.cli._script import script
 from singleflight.core import identity, keys, names
 from singleflight.core.const import (
     DEFAULT_DEDUPE_WINDOW,
@@ -25,7 +26,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import FORMATS, Log
-from singleflight.core.proc import ensure_std_fds, script
+from singleflight.core.proc import ensure_std_fds
 from singleflight.runner import RunOptions, run
 
 PROG = "pearing-run"

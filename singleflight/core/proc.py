@@ -8,10 +8,15 @@ guarded write, which is why psutil is not imported on Linux.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Final, NoReturn
+from typing import Final
 
 _PROC_STAT: Final = "/proc/{}/stat"
+
+
+def _stat_fields(data: bytes) -> list[bytes]:
+    """The fields of a /proc/PID/stat line from the state on (state, ppid, pgrp, ...). The
+    command name (field 2) may hold spaces and parens: split after the last ')'."""
+    return data[data.rindex(b")") + 2 :].split()
 
 
 def start_time(pid: int) -> int | None:
@@ -25,8 +30,7 @@ def start_time(pid: int) -> int | None:
         return None
     except OSError:
         return _psutil_start(pid)
-    # The command name (field 2) may hold spaces and parens: split after the last ')'.
-    fields = data[data.rindex(b")") + 2 :].split()
+    fields = _stat_fields(data)
     if fields[0] in (b"Z", b"X"):
         return None  # a zombie has finished; it only waits to be reaped
     return int(fields[19])
@@ -115,11 +119,11 @@ def group_alive(pgid: int) -> bool:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
+            with open(_PROC_STAT.format(name), "rb") as f:
                 data = f.read()
         except OSError:
             continue
-        fields = data[data.rindex(b")") + 2 :].split()
+        fields = _stat_fields(data)
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             return True
     return False
@@ -144,29 +148,8 @@ def spawned_with_env(name: str, value: str) -> tuple[int, int] | None:
                 data = f.read()
         except OSError:  # gone, or not ours to read
             continue
-        fields = data[data.rindex(b")") + 2 :].split()
+        fields = _stat_fields(data)
         if fields[0] not in (b"Z", b"X"):
             found[pid] = (int(fields[1]), int(fields[2]), int(fields[19]))
     roots = [(start, pid) for pid, (parent, group, start) in found.items() if parent not in found and group == pid]
     return (min(roots)[1], min(roots)[0]) if roots else None
-
-
-def script(main: Callable[[], int]) -> NoReturn:
-    """A console script: ``main()``, its output flushed, then out without tearing the
-    interpreter down. Freeing every module's objects costs milliseconds of CPU, and
-    pearing-run's exit falls right on the next run's hand-over (one of two cores, on a
-    small host). Nothing of ours needs a teardown: no atexit hook, no thread."""
-    import contextlib
-    import sys
-
-    try:
-        code = main()
-    except SystemExit as exc:  # as sys.exit would report it
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if isinstance(exc.code, str):
-            sys.stderr.write(exc.code + "\n")
-    for stream in (sys.stdout, sys.stderr):  # None when started with that fd closed
-        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing more to say there
-            if stream is not None:
-                stream.flush()
-    os._exit(code)
