@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, lock_status, q, wait_for
 
 from singleflight.core.const import ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -216,7 +216,7 @@ def test_an_env_only_token_dies_at_its_deadline_even_if_the_holder_is_frozen(
 # -- E. leases longer than 2^31 ms -----------------------------------------------------------
 
 
-def test_a_thirty_day_lease_is_honoured(procs: Procs, job: str, on_etcd: str) -> None:
+def test_a_thirty_day_lease_is_honoured(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
     month = "2592000"
     r = procs.pr_run("--job", job, "--lease-seconds", month, "--heartbeat", "manual", "--", "sleep", "1")
     assert r.returncode == 0, r
@@ -224,6 +224,16 @@ def test_a_thirty_day_lease_is_honoured(procs: Procs, job: str, on_etcd: str) ->
     for mode in ("manual", "auto"):
         r = procs.pr_run("--job", job, "--lease-seconds", "315360000", "--heartbeat", mode, "--", "true")
         assert r.returncode == 0, r
+    # The same lease handed to a holder forked while its run waited (the grip goes by message).
+    gate = Gate(work)
+    ahead = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    behind = procs.pr("--job", job, "--lease-seconds", "315360000", "--wait-seconds", "60", "--", "true")
+    wait_for(lambda: len(lock_status(procs, job)["waiters"]) == 1, 15, "the ten-year run to queue")
+    gate.open()
+    assert procs.finish(ahead).returncode == 0
+    r = procs.finish(behind)
+    assert r.returncode == 0, r
     got = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", month])
     assert got.returncode == 0, got
     t = json.loads(got.stdout)

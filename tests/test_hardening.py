@@ -75,6 +75,29 @@ def test_started_with_stdio_closed_the_holder_keeps_the_lock(backend: str, procs
     assert procs.pr_run("--job", "c", "--", "true").returncode == 0
 
 
+def test_a_run_that_waits_with_stdio_closed_takes_its_turn_and_nobody_runs_beside_it(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """Closed fds 0-2 on a run that has to wait: its pipes to the holder (on etcd, a holder
+    forked as it starts to wait) must not land on 0-2, and the hand-over must still hold."""
+    log = work / "log"
+    gate = Gate(work)
+    a = procs.pr("--job", "cw", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    b = procs.start(
+        [*CLOSED_STDIO, PEARING_RUN, "--job", "cw", "--wait-seconds", "60", "--", *logged(log, "B", seconds=0.5)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: _waiters(procs, "cw") == 1, 15, "B to queue")
+    assert procs.pr_run("--job", "cw", "--", "true").returncode == ExitCode.BUSY
+    gate.open()
+    assert procs.finish(a).returncode == 0
+    assert b.wait(30) == 0
+    assert intervals(log)["B"][1] is not None
+    assert procs.pr_run("--job", "cw", "--", "true").returncode == 0
+
+
 def test_holder_fds_live_above_2_when_stdio_was_closed(procs: Procs, work: Path) -> None:
     gate = Gate(work)
     p = procs.start(
@@ -158,6 +181,31 @@ def test_a_wrapper_killed_right_after_starting_command_keeps_the_lock_until_comm
     spans = intervals(log)
     a_end = spans["A"][1] or 0.0
     assert spans["B"][0] >= a_end, f"B started {a_end - spans['B'][0]:.3f} s before A ended"
+
+
+def test_a_holder_killed_when_handed_the_lock_frees_it_and_command_never_runs(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """kill -9 of a waiting run's holder right after its turn came, before its first word (on
+    etcd the holder forked while the run waited, just handed the grip; on the lock dir the one
+    forked at the hand-over): the run exits 70 with one line, its COMMAND never runs, and the
+    lock is free for the next run at once, not after a lease."""
+    gate = Gate(work)
+    first = procs.pr("--job", "hk", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    env = dict(procs.env, PEARING_FAULT="pause-holder-start")
+    b = procs.pr("--job", "hk", "--wait-seconds", "60", "--", "touch", str(work / "b-ran"), env=env)
+    wait_for(lambda: _waiters(procs, "hk") == 1, 15, "B to queue")
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    pid = int(wait_for(lambda: _paused_child(b.pid), 15, "B's holder to pause before its first word"))
+    os.kill(pid, signal.SIGKILL)
+    rb = procs.finish(b)
+    assert rb.returncode == ExitCode.SOFTWARE, rb
+    assert len(rb.err_lines) == 1 and "holder" in rb.err_lines[0], rb
+    assert not (work / "b-ran").exists()
+    c = procs.pr_run("--job", "hk", "--lease-seconds", "60", "--", "true")
+    assert c.returncode == 0, c
 
 
 @pytest.mark.parametrize("frozen", ["holder", "holder-and-wrapper"])
@@ -504,18 +552,7 @@ def test_a_stop_signal_that_lands_before_the_holder_is_ready_ends_the_lease(proc
     handlers and ends the lease; it used to run the wrapper's inherited handler and be lost."""
     env = dict(procs.env, PEARING_FAULT="pause-holder-start")
     wrapper = procs.pr("--job", "h", "--", "sh", "-c", f"touch {q(work / 'ran')}; sleep 30", env=env)
-
-    def paused_holder() -> int | None:
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                with contextlib.suppress(OSError):
-                    data = Path(f"/proc/{name}/stat").read_bytes()
-                    fields = data[data.rindex(b")") + 2 :].split()
-                    if int(fields[1]) == wrapper.pid and fields[0] == b"T":
-                        return int(name)
-        return None
-
-    pid = int(wait_for(paused_holder, 15, "the forked holder to pause"))
+    pid = int(wait_for(lambda: _paused_child(wrapper.pid), 15, "the forked holder to pause"))
     os.kill(pid, signal.SIGTERM)
     os.kill(pid, signal.SIGCONT)
     r = procs.finish(wrapper, timeout=60)
