@@ -32,7 +32,7 @@ from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
     from singleflight.core.ticket import RequestRecord, Ticket
-    from singleflight.core.tokens import Claim, Verdict
+    from singleflight.core.tokens import Claim, Facts
 
 LOCAL = "local"
 ETCD_SCHEME = "etcd://"
@@ -233,10 +233,12 @@ class Backend(Protocol):
 
     def update_activity(self, identity: str, activity: str | None) -> None: ...
 
-    def verify(self, claim: Claim) -> Verdict: ...
+    def guard_facts(self, claim: Claim, digest: str) -> Facts:
+        """What the store knows of the claimed ticket (``digest``: its token's hash), in one read."""
 
-    def hold_off(self, claim: Claim, seconds: float) -> AbstractContextManager[Verdict]:
-        """Verify, then keep expiry and hand-over waiting (at most ``seconds``) while inside."""
+    def hold_guard(self, claim: Claim, seconds: float) -> AbstractContextManager[bool]:
+        """Keep expiry and hand-over of the claimed ticket waiting (at most ``seconds``) while
+        inside; False when there is no such ticket to hold off."""
 
     def accept_fence(self, resource: str, fence: int) -> int: ...
 

@@ -26,6 +26,7 @@ from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR
 from singleflight.core.errors import BadValue, LockDirError, NotHeld
 from singleflight.core.fs import Dir, resolve_lock_dir
 from singleflight.core.tokens import Verdict, read_claim
+from singleflight.rules import verdict
 
 __all__ = ["Verdict", "accept_fence", "guarded", "verify"]
 
@@ -39,8 +40,8 @@ def verify(token_file: str | None = None, env: Mapping[str, str] | None = None) 
         # Never create the lock dir to judge a token: a missing one means an unknown token.
         backend = open_backend(claim.backend, claim.lock_dir, create=False)
     except LockDirError:
-        return claim.refuse("unknown or forged token")
-    return backend.verify(claim)
+        return claim.refuse(verdict.UNKNOWN)
+    return verdict.verify(backend, claim)
 
 
 @contextmanager
@@ -60,9 +61,9 @@ def guarded(
     try:
         backend = open_backend(claim.backend, claim.lock_dir, create=False)
     except LockDirError:
-        raise NotHeld(claim.ticket_id or "-", "unknown or forged token") from None
-    with backend.hold_off(claim, hold_seconds) as verdict:
-        yield verdict
+        raise NotHeld(claim.ticket_id or "-", verdict.UNKNOWN) from None
+    with verdict.hold_off(backend, claim, hold_seconds) as held:
+        yield held
 
 
 def default_ledger(lock_dir: str | None = None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from singleflight.core import names
@@ -109,6 +109,30 @@ class Verdict:
         }
 
 
+class Facts:
+    """What a backend knows, in one read, of the ticket a token claims.
+
+    ``ticket``: as it stands (on etcd its state from its place in line: the first is held),
+    or None when the store has no record of it. ``fence_now``: the highest fence issued for
+    the lock so far; a higher one than the ticket's means a later holder superseded it.
+    ``holder_alive``: False only when its holder is known to be dead (it runs on this host).
+    ``cut_off``: asked last, of a ticket otherwise live (it may cost a round trip): can its
+    holder not reach the store for long enough to keep its lease?
+    """
+
+    __slots__ = ("cut_off", "fence_now", "holder_alive", "ticket")
+
+    def __init__(
+        self,
+        ticket: Ticket | None,
+        *,
+        fence_now: int | None = None,
+        holder_alive: bool = True,
+        cut_off: Callable[[], bool] | None = None,
+    ) -> None:
+        self.ticket, self.fence_now, self.holder_alive, self.cut_off = ticket, fence_now, holder_alive, cut_off
+
+
 class Claim:
     """A token and what it claims to hold: where a guard looks it up."""
 
@@ -119,6 +143,9 @@ class Claim:
     ) -> None:
         self.lock, self.repo, self.ticket_id, self.token, self.lock_dir = lock, repo, ticket_id, token, lock_dir
         self.backend = backend
+
+    def of_ticket(self, ticket_id: str) -> Claim:
+        return Claim(self.lock, self.repo, ticket_id, self.token, lock_dir=self.lock_dir, backend=self.backend)
 
     def refuse(self, reason: str, *, ticket_id: str | None = None, fence: int | None = None) -> Verdict:
         tid = ticket_id if ticket_id is not None else self.ticket_id or ""

@@ -34,7 +34,7 @@ from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, U
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
-from singleflight.core.tokens import Claim, TokenFiles, Verdict, mint_token, token_hash
+from singleflight.core.tokens import Claim, Facts, TokenFiles, mint_token, token_hash
 from singleflight.etcd import events, records
 from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
@@ -566,38 +566,17 @@ class EtcdBackend:
                 lk.close()  # its token files' directories: a server lives for days
         return out
 
-    def verify(self, claim: Claim) -> Verdict:
-        try:
-            ok, reason, fence, ticket_id = recipe_guard.verify(
-                self.cluster, claim.repo, claim.lock, claim.ticket_id, token_hash(claim.token)
-            )
-        except BackendUnavailable as exc:
-            ok, reason, fence, ticket_id = False, str(exc), None, None
-        if ok:
-            return claim.live(fence, ticket_id=ticket_id)
-        return claim.refuse(reason, ticket_id=ticket_id, fence=fence)
+    def guard_facts(self, claim: Claim, digest: str) -> Facts:
+        return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
 
     @contextmanager
-    def hold_off(self, claim: Claim, seconds: float) -> Iterator[Verdict]:
-        tid = claim.ticket_id
-        if not tid:
-            # PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone: the guard key names the ticket,
-            # so find it by its token first (verified again below, once the key is in place).
-            found = self.verify(claim)
-            if not found.ok:
-                raise NotHeld(found.ticket_id or "-", found.reason)
-            tid = found.ticket_id
-            claim = Claim(claim.lock, claim.repo, tid, claim.token, lock_dir=claim.lock_dir, backend=claim.backend)
-        held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, tid, seconds)
-        if held is None:
-            raise NotHeld(tid, "unknown token or lease expired")
+    def hold_guard(self, claim: Claim, seconds: float) -> Iterator[bool]:
+        held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id or "", seconds)
         try:
-            verdict = self.verify(claim)
-            if not verdict.ok:
-                raise NotHeld(tid, verdict.reason)
-            yield verdict
+            yield held is not None
         finally:
-            self.cluster.revoke(held[1])
+            if held is not None:
+                self.cluster.revoke(held[1])
 
     def accept_fence(self, resource: str, fence: int) -> int:
         return recipe_guard.accept_fence(self.cluster, resource, fence)

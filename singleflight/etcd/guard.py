@@ -1,24 +1,25 @@
-"""The guard's side of the etcd backend: is a token live (``verify``), an in-flight guarded
+"""The guard's side of the etcd backend: what the cluster knows of a token (``facts``), an in-flight guarded
 command (``hold_guard``), the fence ledger (``accept_fence``)."""
 
 from __future__ import annotations
 
-import time
+import os
 
-from singleflight.core.ticket import rfc3339
+from singleflight.core import proc
+from singleflight.core.const import HELD, WAITING
+from singleflight.core.tokens import Facts
 from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of
 
 
-def verify(
-    cluster: Cluster, repo: str, lock: str, ticket_id: str | None, token_hash: str
-) -> tuple[bool, str, int | None, str | None]:
-    """(live, reason, fence, ticket id) for a token of a ticket held in etcd.
+def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest: str) -> Facts:
+    """What the cluster knows of a claimed ticket, in one read (two for a `latest` takeover).
 
-    Live means what the holder itself believes: our key first in line, its token not
-    ended, its recorded lease deadline not passed, and its etcd lease further from
-    expiry than the margin at which a holder cut off from the cluster gives up.
+    Its state comes from its place in line (the first key holds), its fence is its key's
+    create revision, and the cut-off test is what the holder itself believes: its etcd
+    lease further from expiry than the margin at which a holder cut off from the cluster
+    gives up (asked last, and only of a ticket that is otherwise live).
 
     Without ``ticket_id`` (PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone) the ticket
     is the one in line whose token hash matches, found in the same single read (the whole
@@ -28,7 +29,6 @@ def verify(
     import hmac
 
     el = Mutex(cluster, repo, lock)
-
     if ticket_id:
         head = op_range(el.q, prefix=True, sort="ASCEND", limit=1, keys_only=True)
         r = cluster.txn(
@@ -53,38 +53,30 @@ def verify(
     else:
         line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
         first, ended, last = line[:1], [], []
-        for kv in line:
-            t = parse(kv["value"])
-            # Constant-time compare: a forger learns nothing from timing.
-            if t is not None and hmac.compare_digest(t.token_hash or "", token_hash):
-                mine, ticket_id = [kv], t.ticket_id
-                break
-        else:
-            mine = []
+        # Constant-time compare: a forger learns nothing from timing.
+        mine = [kv for kv in line if (x := parse(kv["value"])) and hmac.compare_digest(x.token_hash or "", digest)]
+    fence_now = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
     if not mine:
         t = parse(ended[0]["value"]) if ended else None
-        if t is not None and t.token_hash and hmac.compare_digest(t.token_hash, token_hash):
-            newer = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
-            if newer is not None and t.fence is not None and newer > t.fence:
-                return False, f"superseded by fence {newer}", t.fence, ticket_id
-            return False, f"{t.state} ({t.end_reason})", t.fence, ticket_id
-        return False, "unknown or forged token (or its lease expired)", None, None
+        return Facts(t, fence_now=fence_now)
     kv = mine[0]
     t = parse(kv["value"])
-    if t is None or not t.token_hash or not hmac.compare_digest(t.token_hash, token_hash):
-        return False, "unknown or forged token", None, None
-    fence = kv["create_revision"]
-    if first[0]["key"] != kv["key"]:
-        return False, "not the holder: waiting in line", None, ticket_id
-    if not t.live:
-        return False, t.describe_end(), fence, ticket_id
-    due = deadline_mono(t)
-    if due is not None and due <= time.monotonic():
-        return False, f"lease expired at {rfc3339(t.lease_expires_at)}", fence, ticket_id
-    left = cluster.ttl(kv["lease"])  # whole seconds, rounded down
-    if left <= margin_of(kv["value"]):
-        return False, "lease expired: its holder cannot reach the cluster", fence, ticket_id
-    return True, "live", fence, ticket_id
+    if t is None:
+        return Facts(None)
+    if first[0]["key"] == kv["key"]:
+        t.fence = kv["create_revision"]
+        if t.live:
+            t.state = HELD
+    elif t.live:
+        t.state, t.fence = WAITING, None
+    t.lease_deadline_mono = deadline_mono(t)
+    here = t.holder_host == os.uname().nodename
+    alive = not here or proc.alive(t.holder_pid, t.holder_start)
+
+    def cut_off() -> bool:
+        return cluster.ttl(kv["lease"]) <= margin_of(kv["value"])  # whole seconds, rounded down
+
+    return Facts(t, fence_now=fence_now, holder_alive=alive, cut_off=cut_off)
 
 
 def _int(raw: bytes) -> int | None:

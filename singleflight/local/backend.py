@@ -31,7 +31,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket
-from singleflight.core.tokens import Claim, Verdict
+from singleflight.core.tokens import Claim, Facts
 from singleflight.local import lease, queue
 from singleflight.local.store import LockDir, LockStore
 
@@ -502,15 +502,15 @@ class LocalBackend:
     def update_activity(self, identity: str, activity: str | None) -> None:
         self.dir.write_activity(identity, activity)
 
-    def verify(self, claim: Claim) -> Verdict:
+    def guard_facts(self, claim: Claim, digest: str) -> Facts:
         from singleflight.local import guard  # hmac and the rest: pearing-guard's, not pearing-run's
 
-        return guard.verify(claim)
+        return guard.facts(claim, digest)
 
-    def hold_off(self, claim: Claim, seconds: float) -> AbstractContextManager[Verdict]:
+    def hold_guard(self, claim: Claim, seconds: float) -> AbstractContextManager[bool]:
         from singleflight.local import guard
 
-        return guard.hold_off(claim)
+        return guard.hold_guard(claim)
 
     def accept_fence(self, resource: str, fence: int) -> int:
         from singleflight.core import ledger

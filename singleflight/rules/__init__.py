@@ -1,0 +1,1 @@
+"""The rules, once, above the backends: the guard's verdict, the ticket's end, its views, the request claim."""
