@@ -84,7 +84,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
     chan.send(protocol.ready(taken))
     cfg = HolderConfig(heartbeat_auto=auto, owned_by_wrapper=False)
-    Holder(lease, cfg, chan).serve()  # unblocks: a poke that came meanwhile is handled now
+    Holder(lk, lease, cfg, chan).serve()  # unblocks: a poke that came meanwhile is handled now
 
 
 if __name__ == "__main__":

@@ -118,14 +118,6 @@ class Lease(Protocol):
         opted-in holder's key changed, as a cancel-in-progress request does); the holder then
         calls ``check``. None: no such fd now (asked again before every wait)."""
 
-    def prepare_request(self, window: float) -> None:
-        """Before COMMAND starts: make recording its success unable to fail for lack of space."""
-
-    def record_request(self, status: int | None, window: float) -> None: ...
-
-    def record_success(self) -> None:
-        """This run succeeded: its start is the (scope, lock)'s last successful start."""
-
     def remove_token_file(self) -> None: ...
 
     def release(self) -> None:
@@ -195,7 +187,14 @@ class LockOps(Protocol):
         """End a ticket (None if it had ended already). Without ``release`` only its token dies:
         the lock stays taken until the grip is released (COMMAND is still being stopped)."""
 
-    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None: ...
+    def prepare_request(self, ticket: Ticket, window: float) -> None:
+        """Before COMMAND starts: make recording its success unable to fail for lack of space."""
+
+    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
+        """How the run of ``ticket.request_uuid`` ended (a success is deduplicated for ``window``)."""
+
+    def record_success(self, ticket: Ticket) -> None:
+        """This run succeeded: its start is the (scope, lock)'s last successful start."""
 
     def remove_token_file(self, ticket_id: str) -> None: ...
 

@@ -22,9 +22,10 @@ from singleflight.core import fault, proc, protocol
 from singleflight.core.const import ENV_TICKET, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
+from singleflight.rules.requests import record_end
 
 if TYPE_CHECKING:
-    from singleflight.backend import Lease
+    from singleflight.backend import Lease, LockOps
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -103,8 +104,8 @@ def _pidfd(pid: int, stamp: int | None) -> int | None:
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(self, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
-        self.lease, self.cfg, self.chan = lease, cfg, chan
+    def __init__(self, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
+        self.lk, self.lease, self.cfg, self.chan = lk, lease, cfg, chan
         self.cmd_pid: int | None = None
         self.cmd_fd: int | None = None
         self.cmd_done = False
@@ -130,7 +131,7 @@ class Holder:
 
     def _serve(self) -> NoReturn:
         if self.cfg.request_uuid:
-            self.lease.prepare_request(self.cfg.dedupe_window)
+            self.lk.prepare_request(self.lease.ticket, self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
@@ -285,11 +286,10 @@ class Holder:
 
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
+        fault.point("before-finish")
         try:
-            if self.cfg.request_uuid:
-                self.lease.record_request(status, self.cfg.dedupe_window)
-            if self.cfg.record_success and status == 0:
-                self.lease.record_success()
+            window = self.cfg.dedupe_window if self.cfg.request_uuid else None
+            record_end(self.lk, self.lease.ticket, status, window=window, success=self.cfg.record_success)
         except PearingError as exc:
             # A failed run is retried anyway; a success that could not be recorded must
             # not pass for one that was: pearing-run exits with this error, naming the path.

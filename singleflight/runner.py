@@ -300,7 +300,7 @@ class Runner:
         if msg is None or msg.kind != protocol.READY:
             return self._holder_failed(msg)
         taken = protocol.Taken.from_info(msg.info)
-        self.ticket.fence = taken.fence
+        self.ticket.fence, self.ticket.acquired_at = taken.fence, time.time()
         self.log.event(
             "acquired",
             lock=o.job,
@@ -577,10 +577,13 @@ class Runner:
             self.grip.close()
 
     def _release_without_holder(self, status: int) -> None:
-        tid = self.ticket.ticket_id
+        """The holder died after COMMAND ended: its end-of-run record, here, the one way."""
+        from singleflight.rules.requests import record_end
+
+        tid, o = self.ticket.ticket_id, self.o
         try:
-            if self.o.request_uuid:
-                self.lk.record_request(self.ticket, status, self.o.dedupe_window)
+            window = o.dedupe_window if o.request_uuid else None
+            record_end(self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
             self.lk.end(tid, RELEASED, f"command exited {status}")
             self.lk.remove_token_file(tid)
         except PearingError as exc:
@@ -621,7 +624,7 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         fault.pause("pause-holder-start")
         lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))
-        Holder(lease, cfg, chan).serve()
+        Holder(lk, lease, cfg, chan).serve()
     except PearingError as exc:
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return exc.exit_code

@@ -4,7 +4,7 @@ Off unless ``PEARING_FAULT`` names points (comma-separated), e.g.
 ``PEARING_FAULT=after-fence-bump``. The reliability suite uses it to prove that
 a kill at any step never leaves a lock held forever, two holders at once, or a
 fence reused. Points: after-flock, after-fence-bump, after-token-file,
-after-holder-spawn, after-command-spawn, mid-release, mid-promotion, mid-ledger. Pause points (SIGSTOP
+after-holder-spawn, after-command-spawn, before-finish, mid-release, mid-promotion, mid-ledger. Pause points (SIGSTOP
 instead): pause-holder-start, pause-guard-spawned.
 """
 

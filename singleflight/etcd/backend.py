@@ -333,9 +333,15 @@ class EtcdLock:
         self.mutex.end(t, kv, state, reason, revoke=release)
         return t
 
+    def prepare_request(self, ticket: Ticket, window: float) -> None:
+        """A cluster does not run out of disk under one run: nothing to prepare."""
+
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
         record = RequestRecord.finished(ticket, status, window)
         self.mutex.write_request(ticket.request_uuid, record, max(window, 1.0))
+
+    def record_success(self, ticket: Ticket) -> None:
+        self.mutex.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
 
     def remove_token_file(self, ticket_id: str) -> None:
         self.tokens.remove(ticket_id)

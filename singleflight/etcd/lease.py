@@ -18,7 +18,7 @@ from typing import Any
 
 from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, SUPERSEDED
 from singleflight.core.errors import BackendUnavailable
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd.client import Cluster, Refused, b64, cmp, op_delete, op_put, op_range, ranged, revision, unb64
 from singleflight.etcd.lock import WAIT_TTL, Mutex, ttl_of
@@ -432,18 +432,6 @@ class EtcdLease:
                 self.cluster.keepalive(self.lease)
                 if self.waiting_lease and not self.settled:
                     self.cluster.keepalive(self.waiting_lease)
-
-    def prepare_request(self, window: float) -> None:
-        """A cluster does not run out of disk under one run: nothing to prepare."""
-
-    def record_request(self, status: int | None, window: float) -> None:
-        with contextlib.suppress(BackendUnavailable):
-            record = RequestRecord.finished(self.ticket, status, window)
-            self.mutex.write_request(self.ticket.request_uuid, record, max(window, 1.0))
-
-    def record_success(self) -> None:
-        with contextlib.suppress(BackendUnavailable):
-            self.mutex.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
 
     def remove_token_file(self) -> None:
         self.tokens.remove(self.ticket.ticket_id)

@@ -157,38 +157,11 @@ class LocalLease:
     def end(self, state: str, reason: str) -> None:
         lease.end(self.store, self.ticket.ticket_id, state, reason)
 
-    def prepare_request(self, window: float) -> None:
-        # The success record is written (and fsynced) now, while there is room, so a
-        # success at the end only renames it into place: a disk that filled up while
-        # COMMAND ran cannot make a finished request look unfinished and run it twice.
-        # Its dedupe window therefore counts from the start of the run.
-        record = RequestRecord.finished(self.ticket, 0, window)
-        record.finished_at = None
-        self.store.sub("requests").write_atomic(self._prepared, record.to_json(), durable=True)
-
-    @property
-    def _prepared(self) -> str:
-        return f".{self.ticket.request_uuid}.succeeded"
-
-    def record_request(self, status: int | None, window: float) -> None:
-        requests, uuid = self.store.sub("requests"), self.ticket.request_uuid
-        try:
-            if status == 0 and requests.lstat(self._prepared) is not None:
-                requests.rename(self._prepared, f"{uuid}.json")
-                requests.fsync()
-                return
-            self.store.write_request(uuid, RequestRecord.finished(self.ticket, status, window))
-        finally:
-            requests.unlink(self._prepared)
-
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
 
     def wake_fd(self) -> None:
         """A cancel request pokes the holder (SIGUSR1): no fd to watch."""
-
-    def record_success(self) -> None:
-        self.store.write_last_success(self.ticket.acquired_at or time.time(), self.ticket.ticket_id)
 
     def remove_token_file(self) -> None:
         self.store.tokens.remove(self.ticket.ticket_id)
@@ -335,9 +308,28 @@ class LocalLock:
         # The flock is the grip's: ending the record never frees the lock by itself.
         return lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
 
+    def prepare_request(self, ticket: Ticket, window: float) -> None:
+        # The success record is written (and fsynced) now, while there is room, so a
+        # success at the end only renames it into place: a disk that filled up while
+        # COMMAND ran cannot make a finished request look unfinished and run it twice.
+        # Its dedupe window therefore counts from the start of the run.
+        record = RequestRecord.finished(ticket, 0, window)
+        record.finished_at = None
+        self.store.sub("requests").write_atomic(_prepared(ticket), record.to_json(), durable=True)
+
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
-        cur = self.store.read_ticket(ticket.ticket_id) or ticket
-        self.store.write_request(ticket.request_uuid, RequestRecord.finished(cur, status, window))
+        requests, uuid = self.store.sub("requests"), ticket.request_uuid
+        try:
+            if status == 0 and requests.lstat(_prepared(ticket)) is not None:
+                requests.rename(_prepared(ticket), f"{uuid}.json")
+                requests.fsync()
+                return
+            self.store.write_request(uuid, RequestRecord.finished(ticket, status, window))
+        finally:
+            requests.unlink(_prepared(ticket))
+
+    def record_success(self, ticket: Ticket) -> None:
+        self.store.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
 
     def remove_token_file(self, ticket_id: str) -> None:
         self.store.tokens.remove(ticket_id)
@@ -442,6 +434,10 @@ class LocalLock:
             "holder": holder,
             "waiters": waiters,
         }
+
+
+def _prepared(ticket: Ticket) -> str:
+    return f".{ticket.request_uuid}.succeeded"
 
 
 def _poll(done: Callable[[], bool], timeout: float) -> None:
