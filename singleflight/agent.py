@@ -26,6 +26,7 @@ from singleflight.core.const import ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
+from singleflight.core.reasons import EndReason
 from singleflight.holder import Holder, HolderConfig
 
 
@@ -68,7 +69,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         until=math.inf,
         ticket_deadline=lambda: lk.waiting_deadline(ticket_id),
         on_queued=on_queued,
-        timeout_reason="waiting lease expired without heartbeat",
+        timeout_reason=EndReason.WAITING_LEASE_EXPIRED,
     )
     if grip is None:
         chan.send(protocol.Message(protocol.ENDED))

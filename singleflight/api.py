@@ -40,6 +40,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import NotHeld, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.protocol import Channel
+from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import new_uuid4
 from singleflight.core.tokens import Verdict
 
@@ -89,7 +90,7 @@ class Held:
             msg = self._chan.recv_until(0.0)
             if msg is None:
                 if self._chan.eof:
-                    self.lost = "holder gone"
+                    self.lost = EndReason.HOLDER_GONE.text()
                 return
             if msg.kind == protocol.LOST:
                 self.lost = msg.text

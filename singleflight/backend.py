@@ -31,6 +31,7 @@ from singleflight.core.errors import BadValue
 from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
+    from singleflight.core.reasons import Loss
     from singleflight.core.ticket import RequestRecord, Ticket
     from singleflight.core.tokens import Claim, Facts
 
@@ -102,9 +103,9 @@ class Lease(Protocol):
     def renew(self) -> None:
         """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat)."""
 
-    def check(self) -> str | None:
-        """At the deadline or when poked: None if still ours (deadline updated), RELEASED if
-        its owner released it, else why it was lost."""
+    def check(self) -> Loss | None:
+        """At the deadline or when poked: None if still ours (deadline updated), else why it is
+        not (``Loss.released``: its owner released it)."""
 
     def end(self, state: str, reason: str) -> None:
         """The token stops being live (after in-flight guarded commands). The lock stays

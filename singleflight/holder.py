@@ -22,6 +22,7 @@ from singleflight.core import fault, proc, protocol
 from singleflight.core.const import ENV_TICKET, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.rules.requests import record_end
 
 if TYPE_CHECKING:
@@ -125,9 +126,9 @@ class Holder:
         except PearingError as exc:
             # A renewal refused (a frozen holder woken after its lease), a corrupt record:
             # whatever it is, the way out is the loss sequence, never a bare exit.
-            self.lose(str(exc))
+            self.lose(Loss(EndReason.REFUSED, text=str(exc)))
         except BaseException as exc:  # noqa: BLE001 - never leave without stopping COMMAND first
-            self.lose(f"internal error in holder (a bug): {exc!r}")
+            self.lose(Loss(EndReason.INTERNAL, repr(exc)))
 
     def _serve(self) -> NoReturn:
         if self.cfg.request_uuid:
@@ -180,7 +181,7 @@ class Holder:
             if (self.lease.ticket.lease_deadline_mono or 0) <= now:
                 self._check_lease()
             if max_deadline is not None and now >= max_deadline:
-                self.lose(f"max runtime {self.cfg.max_runtime:g} s reached")
+                self.lose(Loss(EndReason.MAX_RUNTIME, self.cfg.max_runtime))
             if self._renewing() and now >= renew_at:
                 self.lease.renew()
                 renew_at = now + renew_every
@@ -194,7 +195,7 @@ class Holder:
     def _on_signals(self, sigs: bytes) -> None:
         for sig in sigs:
             if sig in _STOP_SIGNALS:
-                self.lose(f"holder stopped by signal {signal.Signals(sig).name}")
+                self.lose(Loss(EndReason.STOPPED, signal.Signals(sig).name))
         if signal.SIGUSR1 in sigs:
             self._check_lease()
 
@@ -245,19 +246,19 @@ class Holder:
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
         lost = self.lease.check()
-        if lost == RELEASED and (self.cmd_pid is None or not self.cfg.owned_by_wrapper):
+        if lost is not None and lost.released and (self.cmd_pid is None or not self.cfg.owned_by_wrapper):
             self.finish_released()  # pearing-cli release-lock-ticket
         if lost is not None:
             self.lose(lost)
 
     # -- endings -----------------------------------------------------------
 
-    def lose(self, reason: str) -> NoReturn:
+    def lose(self, loss: Loss) -> NoReturn:
         """Ownership lost: token dead first, then COMMAND stopped, then the lock freed."""
         with contextlib.suppress(PearingError):
-            self.lease.end(EXPIRED, reason)
+            self.lease.end(EXPIRED, loss.text)
         if self.chan is not None:
-            self.chan.send(protocol.lost(reason))
+            self.chan.send(protocol.lost(loss))
         with contextlib.suppress(PearingError):
             self.lease.remove_token_file()
         if self.cfg.owned_by_wrapper and self.cmd_pid is None:
@@ -295,7 +296,7 @@ class Holder:
             # not pass for one that was: pearing-run exits with this error, naming the path.
             if status == 0 and self.chan is not None:
                 self.chan.send(protocol.error(exc.exit_code, str(exc)))
-        reason = "command ended" if status is None else f"command exited {status}"
+        reason = EndReason.COMMAND_ENDED.text() if status is None else EndReason.COMMAND_EXITED.text(status)
         self.lease.end(RELEASED, reason)
         fault.point("mid-release")
         self.finish_released()

@@ -37,12 +37,12 @@ from singleflight.core.const import (
     EXPIRED,
     QUEUE_FIFO,
     RELEASED,
-    SUPERSEDED,
     WAITING,
     ExitCode,
 )
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.core.tty import JOB_CONTROL_POLL, Terminal
 
@@ -152,7 +152,7 @@ class Runner:
         self.cmd_pid: int | None = None
         self.pending: list[int] = []
         self.waited = 0.0
-        self.lost: str | None = None
+        self.lost: Loss | None = None
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
@@ -207,7 +207,7 @@ class Runner:
             # A run that waited behind a success sees it now, before taking the lease.
             if grip is not None and self._done_recently():
                 with contextlib.suppress(PearingError):
-                    self.lk.end(self.ticket.ticket_id, CANCELLED, "deduplicated", only_if_held=False)
+                    self.lk.end(self.ticket.ticket_id, CANCELLED, EndReason.DEDUPLICATED, only_if_held=False)
                 grip.close()
                 grip = None
                 if claimed:
@@ -273,7 +273,7 @@ class Runner:
             # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
             ticket_deadline=lambda: lk.waiting_deadline(tid),
             on_queued=on_queued,
-            timeout_reason="wait timed out",
+            timeout_reason=EndReason.WAIT_TIMED_OUT,
         )
         self.waited = time.monotonic() - started
         if grip is None:
@@ -323,7 +323,7 @@ class Runner:
         if not self._heard_lost(chan) and not grip.still_ours():
             # Wrapper and holder both frozen past an etcd lease's TTL: it may have lapsed, and
             # the next waiter be running. The holder finds out at its next look.
-            self._lost("lease lapsed before COMMAND started")
+            self._lost(Loss(EndReason.LAPSED_BEFORE_START))
         if self._heard_lost(chan):
             # The lease was lost before COMMAND could start (a stop signal at the holder's
             # start, a lease shorter than our start-up): never start it.
@@ -464,8 +464,8 @@ class Runner:
                         return self._ended(status)
                     chan.fill()
                     for msg in chan.messages():
-                        if msg.kind == protocol.LOST and self.lost is None:
-                            self._lost(msg.text)
+                        if msg.loss is not None and self.lost is None:
+                            self._lost(msg.loss)
                     if chan.eof:
                         poller.unregister(chan.rfd)
                         if self.lost is None:
@@ -480,8 +480,8 @@ class Runner:
         while self.lost is None and not chan.eof and select.select([chan.rfd], [], [], 0)[0]:
             chan.fill()
             for msg in chan.messages():
-                if msg.kind == protocol.LOST:
-                    self._lost(msg.text)
+                if msg.loss is not None:
+                    self._lost(msg.loss)
         return self.lost is not None
 
     def _ended(self, status: int) -> int:
@@ -504,21 +504,22 @@ class Runner:
         self.tty.give(pid)
         return None
 
-    def _lost(self, reason: str) -> None:
-        self.lost = reason
-        if reason.startswith(SUPERSEDED):
+    def _lost(self, loss: Loss) -> None:
+        self.lost = loss
+        if loss.superseded:
             # A newer run that opted in to cancel-in-progress asked us to stop: we exit busy.
-            self.log.event("superseded", lock=self.o.job, by=reason[len(SUPERSEDED) :])
+            by = self.lk.read(self.ticket.ticket_id)
+            self.log.event("superseded", lock=self.o.job, by=by.superseded_by if by else None)
             return
-        if not self.o.heartbeat_auto and "expire" in reason:
+        if not self.o.heartbeat_auto and loss.expired:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
-        self.log.event("lease-lost", lock=self.o.job, reason=reason)
+        self.log.event("lease-lost", lock=self.o.job, reason=loss.text)
         self._metric("lease_lost")
 
     def _lost_code(self) -> int:
         """124, or the busy code when a newer opted-in run cancelled us."""
-        if self.lost is not None and self.lost.startswith(SUPERSEDED):
+        if self.lost is not None and self.lost.superseded:
             return self.o.busy_exit_code
         return int(ExitCode.LEASE_LOST)
 
@@ -527,9 +528,9 @@ class Runner:
         keeps the lock meanwhile and is released only once COMMAND's group is gone (_finish)."""
         from singleflight.holder import wait_for_exit, wait_for_group
 
-        self._lost("holder gone")
+        self._lost(Loss(EndReason.HOLDER_GONE))
         with contextlib.suppress(PearingError):
-            self.lk.end(self.ticket.ticket_id, EXPIRED, "holder gone", release=False)
+            self.lk.end(self.ticket.ticket_id, EXPIRED, EndReason.HOLDER_GONE, release=False)
             self.lk.remove_token_file(self.ticket.ticket_id)
         keep = self.grip.keep if self.grip is not None else _nothing
         _killpg(pid, signal.SIGTERM)
@@ -553,8 +554,8 @@ class Runner:
             self._metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
-            if msg.kind == protocol.LOST and self.lost is None:
-                self._lost(msg.text)
+            if msg.loss is not None and self.lost is None:
+                self._lost(msg.loss)
                 exit_code = self._lost_code()
             elif msg.kind == protocol.ERROR:
                 self.log.error(msg.text)
@@ -584,7 +585,7 @@ class Runner:
         try:
             window = o.dedupe_window if o.request_uuid else None
             record_end(self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
-            self.lk.end(tid, RELEASED, f"command exited {status}")
+            self.lk.end(tid, RELEASED, EndReason.COMMAND_EXITED.text(status))
             self.lk.remove_token_file(tid)
         except PearingError as exc:
             self.log.error(str(exc))
@@ -596,7 +597,7 @@ class Runner:
         tid = self.ticket.ticket_id
         for state, only_if_held in ((EXPIRED, True), (CANCELLED, False)):
             with contextlib.suppress(PearingError):
-                self.lk.end(tid, state, "holder gone", only_if_held=only_if_held)
+                self.lk.end(tid, state, EndReason.HOLDER_GONE, only_if_held=only_if_held)
         with contextlib.suppress(PearingError):
             self.lk.remove_token_file(tid)
         if self.grip is not None:
@@ -629,7 +630,7 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return exc.exit_code
     except BaseException as exc:  # noqa: BLE001 - the holder must report, never vanish silently
-        chan.send(protocol.error(ExitCode.SOFTWARE, f"internal error in holder (a bug): {exc!r}"))
+        chan.send(protocol.error(ExitCode.SOFTWARE, EndReason.INTERNAL.text(repr(exc))))
         return ExitCode.SOFTWARE
     return ExitCode.OK
 

@@ -328,7 +328,9 @@ def test_waiting_ticket_without_heartbeat_leaves_the_queue(backend: str, work_pr
 def test_heartbeat_keeps_a_waiting_ticket_in_line(backend: str, work_procs: Procs) -> None:
     holder = _acquire(work_procs)
     assert holder.returncode == 0, holder
-    w = _acquire(work_procs, _UUID2, lease="3", wait="0.2", identity="codex")
+    # A waiting lease long enough for the heartbeat's own start-up on a loaded machine (at a
+    # load of 8 on 2 cores pearing-cli took 2.8 s, and a 3 s lease lapsed before it renewed).
+    w = _acquire(work_procs, _UUID2, lease="8", wait="0.2", identity="codex")
     assert w.returncode == ExitCode.BUSY, w
     tid = w.json["ticket_id"]
     first_deadline = _epoch(w.json["lease_expires_at"])

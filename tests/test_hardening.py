@@ -406,11 +406,13 @@ def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work:
     holder = procs.pr("--job", "u", "--", "sh", "-c", gate.script())
     gate.wait_ready()
     request = str(uuid.uuid4())
-    args = [PEARING_CLI, "acquire-lock", "u", "--request-uuid", request, "--lease-seconds", "3"]
+    # A lease with room for each retry's own start-up on a loaded machine (1.2 s was seen at a
+    # load of 6 on 2 cores: with a 3 s lease, 1.5 s between retries then let it lapse).
+    args = [PEARING_CLI, "acquire-lock", "u", "--request-uuid", request, "--lease-seconds", "6"]
     first = procs.run_text(args)
     assert first.returncode == ExitCode.BUSY, first
-    # Retries every 1.5 s for 7.5 s, well past the 3 s lease: each renews the waiting ticket.
-    for _ in range(5):
+    # Retries every 1.5 s for 12 s, twice the 6 s lease: each renews the waiting ticket.
+    for _ in range(8):
         until = time.monotonic() + 1.5
         wait_for(lambda u=until: time.monotonic() >= u, 5, "the next retry")
         retry = procs.run_text(args)

@@ -6,7 +6,8 @@ streams that report EOF when the peer dies.
 
     holder -> owner   queued                    waiting in line (the agent)
                       ready {json}              lock taken: fence, token, token file, env
-                      lost REASON               the token is dead; COMMAND is being stopped
+                      lost NAME REASON          the token is dead; COMMAND is being stopped
+                                                (NAME: an EndReason member)
                       released                  the lock is free again (last message)
                       ended                     the ticket ended before it was held
                       error NAME MESSAGE        failed; NAME is an ExitCode member
@@ -24,6 +25,7 @@ import os
 from typing import Any
 
 from singleflight.core.const import ExitCode
+from singleflight.core.reasons import EndReason, Loss
 
 QUEUED = "queued"
 READY = "ready"
@@ -40,7 +42,7 @@ SPAWNING = "spawning"
 class Message:
     """One decoded line. ``kind`` is one of the names above; the other fields as it needs."""
 
-    __slots__ = ("code", "info", "kind", "pid", "stamp", "status", "text")
+    __slots__ = ("code", "info", "kind", "loss", "pid", "stamp", "status", "text")
 
     def __init__(
         self,
@@ -52,8 +54,9 @@ class Message:
         pid: int = 0,
         stamp: int = 0,
         status: int | None = None,
+        loss: Loss | None = None,
     ) -> None:
-        self.kind, self.text, self.code, self.info = kind, text, code, info or {}
+        self.kind, self.text, self.code, self.info, self.loss = kind, text, code, info or {}, loss
         self.pid, self.stamp, self.status = pid, stamp, status
 
     def encode(self) -> str:
@@ -61,7 +64,8 @@ class Message:
         if k in (READY, GO):
             return f"{k} {json.dumps(self.info)}"
         if k == LOST:
-            return f"{LOST} {self.text}"
+            assert self.loss is not None
+            return f"{LOST} {self.loss.reason.name} {self.loss.text}"
         if k == ERROR:
             return f"{ERROR} {self.code.name} {self.text}"
         if k == STARTED:
@@ -102,8 +106,8 @@ def go(grip: dict[str, Any]) -> Message:
     return Message(GO, info=grip)
 
 
-def lost(reason: str) -> Message:
-    return Message(LOST, text=reason)
+def lost(loss: Loss) -> Message:
+    return Message(LOST, text=loss.text.replace("\n", " "), loss=loss)
 
 
 def error(code: ExitCode, text: str) -> Message:
@@ -128,7 +132,8 @@ def decode(line: str) -> Message:
                 raise ValueError(rest)
             return Message(word, info=info)
         if word == LOST:
-            return Message(LOST, text=rest)
+            name, _, text = rest.partition(" ")
+            return Message(LOST, text=text, loss=Loss(EndReason[name], text=text))
         if word == ERROR:
             name, _, text = rest.partition(" ")
             return Message(ERROR, code=ExitCode[name], text=text)

@@ -28,6 +28,7 @@ from singleflight.core.const import (
     WAITING,
 )
 from singleflight.core.errors import BadValue
+from singleflight.core.reasons import EndReason
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
 # or mean nothing to users (monotonic stamps, the holder's start time).
@@ -298,6 +299,15 @@ class Ticket:
         self.lease_seconds = seconds
         self.lease_deadline_mono = time.monotonic() + seconds
         self.lease_expires_at = time.time() + seconds
+
+    def end(self, state: str, reason: str, at: float | None = None) -> None:
+        """The ticket ends (released, expired, cancelled) for ``reason`` (an ``EndReason``'s text)."""
+        self.state, self.end_reason, self.ended_at = state, str(reason), time.time() if at is None else at
+
+    def supersede(self, by: str, at: float | None = None) -> None:
+        """A newer ``latest`` waiter takes its place: it leaves the line busy, never runs."""
+        self.end(CANCELLED, EndReason.SUPERSEDED.text(by), at)
+        self.superseded_by = by
 
     @property
     def live(self) -> bool:

@@ -33,6 +33,7 @@ from singleflight.core.const import (
 from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.protocol import Taken
+from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.core.tokens import Claim, Facts, TokenFiles, mint_token, token_hash
 from singleflight.etcd import events, records
@@ -374,7 +375,7 @@ class EtcdLock:
                     [cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], []
                 )
             except Refused:
-                raise NotHeld(ticket_id, "lease expired") from None
+                raise NotHeld(ticket_id, EndReason.LEASE_EXPIRED) from None
             if r.get("succeeded"):
                 break
         if before is not None and (t.lease_deadline_mono or 0) < before and t.holder_host == os.uname().nodename:
@@ -402,7 +403,7 @@ class EtcdLock:
             if t.state in (RELEASED, CANCELLED):
                 return t
             raise NotHeld(t.ticket_id, t.describe_end())
-        if t.state == WAITING and self.mutex.cancel(t, kv, "released by owner"):
+        if t.state == WAITING and self.mutex.cancel(t, kv, EndReason.RELEASED_BY_OWNER):
             self.tokens.remove(t.ticket_id)
             return self.read(ticket_id) or t
         stored = parse(kv["value"])
@@ -412,10 +413,10 @@ class EtcdLock:
         if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*owner):
             # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
             # while COMMAND lives: nobody else will let go of the key.
-            self.mutex.end(t, kv, final, "released by owner")
+            self.mutex.end(t, kv, final, EndReason.RELEASED_BY_OWNER)
             self.tokens.remove(t.ticket_id)
             return self.read(ticket_id) or t
-        self.mutex.end(t, kv, final, "released by owner", revoke=False)
+        self.mutex.end(t, kv, final, EndReason.RELEASED_BY_OWNER, revoke=False)
         self.tokens.remove(t.ticket_id)
         if not here:
             self._await_gone(kv)
@@ -434,7 +435,7 @@ class EtcdLock:
             watch.close()
 
     def end_orphan(self, t: Ticket) -> Ticket:
-        self.end(t.ticket_id, EXPIRED if t.state == HELD else CANCELLED, "holder gone", only_if_held=False)
+        self.end(t.ticket_id, EXPIRED if t.state == HELD else CANCELLED, EndReason.HOLDER_GONE, only_if_held=False)
         self.tokens.remove(t.ticket_id)
         return self.read(t.ticket_id) or t
 

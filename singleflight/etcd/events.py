@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST, SUPERSEDED
+from singleflight.core.const import DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.lock import Mutex
@@ -106,8 +106,7 @@ def _take_over(
     for _, kv in victims:
         old = parse(kv["value"])
         assert old is not None
-        old.state, old.end_reason, old.ended_at = CANCELLED, f"{SUPERSEDED}{me.ticket_id}", now
-        old.superseded_by = me.ticket_id
+        old.supersede(me.ticket_id, now)
         ops += [op_put(mutex.e + old.ticket_id, value(old, kv["lease"]), keep), op_delete(mutex.a + old.ticket_id)]
         if kv["key"] != target["key"]:
             ops.append(op_delete(kv["key"]))

@@ -16,8 +16,9 @@ import select
 import time
 from typing import Any
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, SUPERSEDED
+from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
 from singleflight.core.errors import BackendUnavailable
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd.client import Cluster, Refused, b64, cmp, op_delete, op_put, op_range, ranged, revision, unb64
@@ -323,7 +324,7 @@ class EtcdLease:
             except BackendUnavailable:
                 w.close()
 
-    def check(self) -> str | None:
+    def check(self) -> Loss | None:
         now = time.monotonic()
         kv = None
         self._drain()
@@ -338,29 +339,32 @@ class EtcdLease:
             self.unreachable = True
         if self.unreachable:
             if now >= self.deadline:
-                return "lease expired"  # nobody could have heartbeated through a cluster we cannot reach
+                # Nobody could have heartbeated through a cluster we cannot reach.
+                return Loss(EndReason.LEASE_EXPIRED)
             if now >= self._cut_off():
-                return "backend unreachable"  # no more requests: the grace is counting
+                return Loss(EndReason.UNREACHABLE)  # no more requests: the grace is counting
             self._schedule()
             return None
         if kv is None or kv["create_revision"] != self.fence:
             with contextlib.suppress(BackendUnavailable):
                 found = self.mutex.ticket(self.ticket.ticket_id)
                 if found is not None and found[0].state == RELEASED:
-                    return RELEASED
-            return "lease expired"
+                    return Loss(EndReason.RELEASED_BY_OWNER)
+            return Loss(EndReason.LEASE_EXPIRED)
         t = parse(kv["value"])
         if t is None:
-            return "ticket vanished"
+            return Loss(EndReason.VANISHED)
         if not t.live:  # ended by its owner: that end record stands (``end`` leaves it)
-            return RELEASED if t.state == RELEASED else t.describe_end()
+            if t.state == RELEASED:
+                return Loss(EndReason.RELEASED_BY_OWNER)
+            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
         self.mod = kv["mod_revision"]
         if t.superseded_by:  # a newer run that opted in to cancel-in-progress asked us to stop
             self.ticket.superseded_by = t.superseded_by
-            return f"{SUPERSEDED}{t.superseded_by}"
+            return Loss(EndReason.SUPERSEDED, t.superseded_by)
         due = deadline_mono(t)
         if due is not None and due <= time.monotonic():
-            return "lease expired"
+            return Loss(EndReason.LEASE_EXPIRED)
         # A heartbeat (pearing-cli, from COMMAND) may have moved it, and with it the lease length.
         self.deadline = due if due is not None else self.deadline
         self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds

@@ -48,6 +48,7 @@ from typing import Any
 
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
 from singleflight.core.errors import CorruptRecord
+from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.records import parse, ticket_id_of, value
@@ -328,13 +329,13 @@ class Mutex:
         copy = self.cluster.get(self.t + ticket_id)
         if copy is None or (t := parse(copy["value"])) is None:
             return None
-        t.state, t.end_reason = EXPIRED, "lease expired"  # its lease lapsed without an end record
+        t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()  # it lapsed without an end record
         return t, None
 
     def end(self, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
         """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
         promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
-        t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        t.end(state, reason)
         lease = int(kv["lease"])
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         body = value(t, lease)
@@ -360,7 +361,7 @@ class Mutex:
             if pred is None:
                 return False
             keep = keep or self.cluster.grant(int(ENDED_TICKET_RETENTION))
-            t.state, t.end_reason, t.ended_at = CANCELLED, reason, time.time()
+            t.end(CANCELLED, reason)
             r = self.cluster.txn(
                 [
                     cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),

@@ -25,11 +25,11 @@ from singleflight.core.const import (
     QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
-    SUPERSEDED,
     WAITING,
 )
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.protocol import Taken
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import Claim, Facts
 from singleflight.local import lease, queue
@@ -103,8 +103,7 @@ class LocalPlace:
         out = []
         for t in store.tickets():
             if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me:
-                t.state, t.end_reason, t.ended_at = CANCELLED, f"{SUPERSEDED}{me}", now
-                t.superseded_by = me
+                t.supersede(me, now)
                 store.write_ticket(t)
                 out.append(t)
         return out
@@ -144,15 +143,19 @@ class LocalLease:
     def renew(self) -> None:
         self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
 
-    def check(self) -> str | None:
+    def check(self) -> Loss | None:
         with self.store.mutex():
             t = self.store.read_ticket(self.ticket.ticket_id)
         if t is not None and t.state == HELD and t.superseded_by:
-            return f"{SUPERSEDED}{t.superseded_by}"
-        if t is None or t.state != HELD:
-            return RELEASED if t is not None and t.state == RELEASED else f"ticket {t.state if t else 'vanished'}"
+            return Loss(EndReason.SUPERSEDED, t.superseded_by)
+        if t is None:
+            return Loss(EndReason.VANISHED)
+        if t.state == RELEASED:
+            return Loss(EndReason.RELEASED_BY_OWNER)
+        if t.state != HELD:
+            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
         self.ticket = t
-        return "lease expired" if (t.lease_deadline_mono or 0) <= time.monotonic() else None
+        return Loss(EndReason.LEASE_EXPIRED) if (t.lease_deadline_mono or 0) <= time.monotonic() else None
 
     def end(self, state: str, reason: str) -> None:
         lease.end(self.store, self.ticket.ticket_id, state, reason)
@@ -347,7 +350,7 @@ class LocalLock:
         if t.state not in (HELD, WAITING):
             raise NotHeld(ticket_id, t.describe_end())
         final = RELEASED if t.state == HELD else CANCELLED
-        ended = lease.end(store, ticket_id, final, "released by owner", only_if_held=False)
+        ended = lease.end(store, ticket_id, final, EndReason.RELEASED_BY_OWNER, only_if_held=False)
         if ended is None:  # it ended on its own meanwhile
             cur = store.read_ticket(ticket_id) or t
             if cur.state in (RELEASED, CANCELLED):
@@ -359,7 +362,7 @@ class LocalLock:
     def end_orphan(self, t: Ticket) -> Ticket:
         """End a ticket whose holder is dead (killed): nobody holds or waits for it any more."""
         final = EXPIRED if t.state == HELD else CANCELLED
-        ended = lease.end(self.store, t.ticket_id, final, "holder gone", only_if_held=False)
+        ended = lease.end(self.store, t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
         self.store.tokens.remove(t.ticket_id)
         return self.store.read_ticket(t.ticket_id) or ended or t
 

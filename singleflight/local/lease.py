@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from singleflight.core import fault, proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket, rfc3339
 from singleflight.core.tokens import mint_token, token_hash
 from singleflight.local.queue import WAITER_POKE
@@ -50,7 +51,7 @@ def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> int:
     for t in candidates:
         floor = max(floor, t.fence or 0)
         if t.state == HELD and t.ticket_id != new_ticket_id:
-            t.state, t.end_reason, t.ended_at = EXPIRED, "holder gone", time.time()
+            t.end(EXPIRED, EndReason.HOLDER_GONE)
             store.write_ticket(t)
             # Its token file too: a raw token stays on disk only while its ticket is held.
             store.tokens.remove(t.ticket_id)
@@ -65,7 +66,7 @@ def sweep_dead_waiters(store: LockStore) -> int:
             with store.mutex():
                 cur = store.read_ticket(t.ticket_id)
                 if cur is not None and cur.state == WAITING and not proc.alive(cur.holder_pid, cur.holder_start):
-                    cur.state, cur.end_reason, cur.ended_at = CANCELLED, "waiter gone", time.time()
+                    cur.end(CANCELLED, EndReason.WAITER_GONE)
                     store.write_ticket(cur)
                     swept += 1
     return swept
@@ -156,7 +157,7 @@ def check_live(t: Ticket) -> None:
     if left is not None and left <= 0:
         raise NotHeld(t.ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
     if not proc.alive(t.holder_pid, t.holder_start):
-        raise NotHeld(t.ticket_id, "holder gone")
+        raise NotHeld(t.ticket_id, EndReason.HOLDER_GONE)
 
 
 def end(
@@ -179,6 +180,6 @@ def end(
             raise UnknownTicket(ticket_id)
         if t.state not in (HELD, WAITING) or (only_if_held and t.state != HELD):
             return None
-        t.state, t.end_reason, t.ended_at = state, reason, time.time()
+        t.end(state, reason)
         store.write_ticket(t)
         return t
