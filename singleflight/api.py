@@ -27,12 +27,14 @@ from typing import Any
 from singleflight import guard, ops
 from singleflight.backend import backend_url, open_backend
 from singleflight.core import identity as identities
-from singleflight.core import keys, names, proc, protocol
+from singleflight.core import names, proc, protocol
 from singleflight.core.const import (
     DEFAULT_GUARD_MAX_SECONDS,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
+    HEARTBEAT_AUTO,
+    HEARTBEAT_MODES,
     QUEUE_FIFO,
     QUEUE_MODES,
     ExitCode,
@@ -131,7 +133,7 @@ class Lock:
         request_key: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         wait_seconds: float = 0.0,
-        heartbeat: str = "auto",
+        heartbeat: str = HEARTBEAT_AUTO,
         lock_dir: str | None = None,
         backend: str | None = None,
         identity: str | None = None,
@@ -140,21 +142,14 @@ class Lock:
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
-        if request_uuid is not None and request_key is not None:
-            raise UsageError("give request_uuid or request_key, not both")
-        self._own_uuid = request_uuid is not None or request_key is not None
-        if request_key is not None:
-            self.request_uuid = keys.request_key_uuid(request_key, "request_key")
-        else:
-            self.request_uuid = names.request_uuid(request_uuid) if request_uuid is not None else new_uuid4()
+        own = names.request(request_uuid, request_key, uuid_what="request_uuid", key_what="request_key")
+        self._own_uuid = own is not None
+        self.request_uuid = own if own is not None else new_uuid4()
         self.lease_seconds = names.lease_seconds(lease_seconds, "lease_seconds")
         self.wait_seconds = names.seconds(wait_seconds, "wait_seconds")
-        if heartbeat not in ("auto", "manual"):
-            raise UsageError(f"bad heartbeat {heartbeat!r}: must be auto or manual")
-        self.heartbeat = heartbeat
-        if queue not in QUEUE_MODES:
-            raise UsageError(f"bad queue {queue!r}: must be fifo or latest")
-        self.queue, self.cancel_in_progress = queue, bool(cancel_in_progress)
+        self.heartbeat = names.choice(heartbeat, "heartbeat", HEARTBEAT_MODES)
+        self.queue = names.choice(queue, "queue", QUEUE_MODES)
+        self.cancel_in_progress = bool(cancel_in_progress)
         self.lock_dir = resolve_lock_dir(lock_dir)
         self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
         self.identity = identities.resolve(identity)

@@ -213,6 +213,9 @@ def release(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str,
 
 
 def update_activity(backend: Backend, identity: str, activity: str | None) -> dict[str, Any]:
+    """Set (text) or clear (None) what ``identity`` is doing; every front end's text is checked here."""
+    if activity is not None:
+        names.activity(activity)
     backend.update_activity(names.identity(identity), activity)
     return {"identity": identity, "activity": activity}
 

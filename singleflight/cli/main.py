@@ -17,7 +17,7 @@ import typer
 from singleflight import __version__, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._script import script
-from singleflight.core import identity, keys, names
+from singleflight.core import identity, names
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
@@ -122,9 +122,7 @@ def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of th
 ) -> None:
     """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
     lock, scope = names.lock_name(name), _repo(repo)
-    if (request_uuid is None) == (request_key is None):
-        raise UsageError("give exactly one of --request-uuid UUID or --request-key KEY")
-    uuid = names.request_uuid(request_uuid) if request_uuid is not None else keys.request_key_uuid(request_key or "")
+    uuid = names.request(request_uuid, request_key, required=True)
     lease = names.lease_seconds(lease_seconds, "--lease-seconds")
     wait = names.seconds(wait_seconds, "--wait-seconds")
     who = identity.resolve(_state.identity)
@@ -172,8 +170,8 @@ def update_user_activity(
     """Set (or clear) this identity's activity, shown on its tickets and in status."""
     if (activity is None) == (not clear):
         raise UsageError("give exactly one of --activity TEXT or --clear")
-    if activity is not None and (not activity.strip() or len(activity) > 1000):
-        raise UsageError("bad --activity: must be 1 to 1000 characters")
+    if activity is not None:
+        names.activity(activity, "--activity")
     _emit(ops.update_activity(_backend(), identity.resolve(_state.identity), activity))
 
 

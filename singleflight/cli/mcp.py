@@ -29,6 +29,7 @@ from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
     ENV_LOCK_DIR,
+    MAX_ACTIVITY,
     MAX_SECONDS,
     MIN_LEASE_SECONDS,
     ExitCode,
@@ -50,7 +51,6 @@ OPTIONS = [
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
 ]
-MAX_ACTIVITY = 1000
 MAX_PATH = 4096  # PATH_MAX on Linux
 
 _T = TypeVar("_T")
@@ -88,7 +88,7 @@ class Ops:
         self, repo: str, lock_name: str, request_uuid: str, lease_seconds: float, wait_seconds: float
     ) -> dict[str, Any]:
         lock, scope = names.lock_name(lock_name), names.scope(repo)
-        uuid = names.request_uuid(request_uuid)
+        uuid = names.request_uuid(request_uuid, "request_uuid")
         lease = names.lease_seconds(lease_seconds, "lease_seconds")
         wait = names.seconds(wait_seconds, "wait_seconds")
         out, _ = self._call(
@@ -117,8 +117,8 @@ class Ops:
     def update_activity(self, activity: str | None, clear: bool) -> dict[str, Any]:
         if (activity is None) == (not clear):
             raise UsageError("give exactly one of activity (the text) or clear=true")
-        if activity is not None and (not activity.strip() or len(activity) > MAX_ACTIVITY):
-            raise BadValue("activity", activity, f"must be 1 to {MAX_ACTIVITY} characters, not all blank")
+        if activity is not None:
+            names.activity(activity, "activity")
         return self._call(lambda b: ops.update_activity(b, self.identity, activity))
 
     def status(self, repo: str, lock_name: str | None) -> list[dict[str, Any]]:
@@ -227,7 +227,11 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
         activity: Annotated[
             str,
             Strict(),
-            Field(min_length=1, max_length=MAX_ACTIVITY, description="What you are doing, 1 to 1000 characters."),
+            Field(
+                min_length=1,
+                max_length=MAX_ACTIVITY,
+                description=f"What you are doing, 1 to {MAX_ACTIVITY} characters.",
+            ),
         ]
         | None = None,
         clear: Annotated[bool, Strict(), Field(description="Clear the activity instead.")] = False,

@@ -11,7 +11,7 @@ from singleflight import __version__
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli._script import script
-from singleflight.core import identity, keys, names
+from singleflight.core import identity, names
 from singleflight.core.const import (
     DEFAULT_DEDUPE_WINDOW,
     DEFAULT_KILL_GRACE,
@@ -19,6 +19,8 @@ from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
     ENV_METRICS_DIR,
+    HEARTBEAT_AUTO,
+    HEARTBEAT_MODES,
     QUEUE_FIFO,
     QUEUE_MODES,
     ExitCode,
@@ -43,7 +45,7 @@ OPTIONS = [
     Option("--request-key", dest="request_key", metavar="KEY", help="any event id: the request uuid is its UUIDv5"),
     Option("--min-interval", dest="min_interval", metavar="DURATION", help="skip if a success started < DURATION ago"),
     Option("--metrics-dir", dest="metrics_dir", metavar="DIR", help="Prometheus textfile dir (PEARING_METRICS_DIR)"),
-    Option("--dedupe-window", dest="dedupe_window", metavar="S", help="how long a success is remembered (86400)"),
+    Option("--dedupe-window", dest="dedupe_window", metavar="DURATION", help="how long a success is remembered (1d)"),
     Option("--skip-if", dest="skip_if", metavar="CMD", help="after acquiring: exit 0 of CMD means already done"),
     Option("--busy-exit-code", dest="busy_code", metavar="N", help="exit code when busy (default 75)"),
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY or user@host)"),
@@ -86,17 +88,11 @@ def build_options(argv: list[str]) -> RunOptions:
         raise UsageError("no COMMAND given (put it after --)")
     if not command[0]:
         raise BadValue("COMMAND", command[0], "must name a program, not be empty")
-    heartbeat = _opt(values, "heartbeat", "auto")
-    if heartbeat not in ("auto", "manual"):
-        raise BadValue("--heartbeat", heartbeat, "must be auto or manual")
-    queue = _opt(values, "queue", QUEUE_FIFO)
-    if queue not in QUEUE_MODES:
-        raise BadValue("--queue", queue, "must be fifo or latest")
-    log_format = _opt(values, "log_format", "text")
-    if log_format not in FORMATS:
-        raise BadValue("--log-format", log_format, "must be text or json")
+    heartbeat = names.choice(_opt(values, "heartbeat", HEARTBEAT_AUTO), "--heartbeat", HEARTBEAT_MODES)
+    queue = names.choice(_opt(values, "queue", QUEUE_FIFO), "--queue", QUEUE_MODES)
+    log_format = names.choice(_opt(values, "log_format", "text"), "--log-format", FORMATS)
     max_runtime = _opt_str(values, "max_runtime")
-    request_uuid = _request_uuid(_opt_str(values, "request_uuid"), _opt_str(values, "request_key"))
+    request_uuid = names.request(_opt_str(values, "request_uuid"), _opt_str(values, "request_key"))
     min_interval = _opt_str(values, "min_interval")
     metrics_dir = _opt_str(values, "metrics_dir")
     if metrics_dir is None:
@@ -106,13 +102,15 @@ def build_options(argv: list[str]) -> RunOptions:
         repo=names.scope(_opt(values, "repo", DEFAULT_SCOPE), "--repo scope"),
         lease_seconds=names.lease_seconds(_opt(values, "lease", DEFAULT_LEASE_SECONDS)),
         wait_seconds=names.seconds(_opt(values, "wait", 0), "--wait-seconds"),
-        heartbeat_auto=heartbeat == "auto",
+        heartbeat_auto=heartbeat == HEARTBEAT_AUTO,
         max_runtime=None if max_runtime is None else names.seconds(max_runtime, "--max-runtime", allow_zero=False),
         kill_grace=names.seconds(_opt(values, "kill_grace", DEFAULT_KILL_GRACE), "--kill-grace"),
         request_uuid=request_uuid,
-        min_interval=None if min_interval is None else keys.duration(min_interval, "--min-interval"),
+        min_interval=None if min_interval is None else names.duration(min_interval, "--min-interval"),
         metrics_dir=_metrics_dir(metrics_dir),
-        dedupe_window=names.seconds(_opt(values, "dedupe_window", DEFAULT_DEDUPE_WINDOW), "--dedupe-window"),
+        dedupe_window=names.duration(
+            _opt(values, "dedupe_window", DEFAULT_DEDUPE_WINDOW), "--dedupe-window", allow_zero=True
+        ),
         skip_if=_skip_if(_opt_str(values, "skip_if")),
         busy_exit_code=names.exit_status(_opt(values, "busy_code", int(ExitCode.BUSY))),
         identity=identity.resolve(_opt_str(values, "identity")),
@@ -124,15 +122,6 @@ def build_options(argv: list[str]) -> RunOptions:
         queue=queue,
         cancel_in_progress=bool(values.get("cancel")),
     )
-
-
-def _request_uuid(uuid: str | None, key: str | None) -> str | None:
-    """--request-uuid as given, or the documented UUIDv5 of --request-key; not both."""
-    if uuid is not None and key is not None:
-        raise UsageError("give --request-uuid or --request-key, not both")
-    if key is not None:
-        return keys.request_key_uuid(key, "--request-key")
-    return None if uuid is None else names.request_uuid(uuid)
 
 
 def _metrics_dir(value: str | None) -> str | None:

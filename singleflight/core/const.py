@@ -60,6 +60,14 @@ RELEASED: Final = "released"
 EXPIRED: Final = "expired"
 CANCELLED: Final = "cancelled"
 
+# --heartbeat: the lease is renewed while COMMAND lives, or only by its own heartbeats.
+HEARTBEAT_AUTO: Final = "auto"
+HEARTBEAT_MANUAL: Final = "manual"
+HEARTBEAT_MODES: Final = (HEARTBEAT_AUTO, HEARTBEAT_MANUAL)
+
+# An identity's activity text: shown on its tickets and in a status table row, so bounded.
+MAX_ACTIVITY: Final = 1000
+
 # --queue: FIFO waiters keep their order; a `latest` waiter replaces older `latest` ones.
 QUEUE_FIFO: Final = "fifo"
 QUEUE_LATEST: Final = "latest"

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from singleflight.core.const import ExitCode
+
+# An error line echoes at most this much of a bad value: it must stay one readable line.
+_SHOWN_CHARS: Final = 64
+
+
+def shown(value: object) -> object:
+    """``value`` as a BadValue may echo it: long text cut short, a huge int by its size."""
+    if isinstance(value, str) and len(value) > _SHOWN_CHARS:
+        return value[:_SHOWN_CHARS] + "..."
+    # repr() of an int above 4300 digits raises ValueError (CPython's int_max_str_digits).
+    if isinstance(value, int) and value.bit_length() > _SHOWN_CHARS:
+        return f"<{value.bit_length()}-bit integer>"
+    return value
 
 
 class PearingError(Exception):

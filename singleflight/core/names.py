@@ -1,5 +1,13 @@
 """Validation of every value a user can pass, used by every front end.
 
+One function per kind of value, so pearing-run, pearing-cli, pearing-mcp and ``Lock``
+refuse the same value with the same exit code and the same words. The rule for which
+error: a value that breaks its rule is ``BadValue`` naming the flag or parameter and
+the value; a combination of flags or parameters that cannot go together (or a required
+one missing) is ``UsageError``. Both exit 64. Each function takes ``what``, the name to
+print in the front end's own spelling (``--request-key`` on the command line,
+``request_key`` in Python and MCP); apart from that name the wording is the same.
+
 Plain string checks instead of ``re``: this runs on every ``pearing-run`` and
 ``re`` costs a few milliseconds to import.
 """
@@ -7,10 +15,12 @@ Plain string checks instead of ``re``: this runs on every ``pearing-run`` and
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, Literal, overload
 
-from singleflight.core.const import MAX_FENCE, MAX_SECONDS, MIN_LEASE_SECONDS
-from singleflight.core.errors import BadValue
+from singleflight.core import keys
+from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SECONDS, MIN_LEASE_SECONDS
+from singleflight.core.errors import BadValue, UsageError, shown
 
 _ALNUM: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _NAME_CHARS: Final = _ALNUM | frozenset("._-")
@@ -47,13 +57,59 @@ def identity(value: str) -> str:
     return value
 
 
-def request_uuid(value: str) -> str:
+def request_uuid(value: str, what: str = "request uuid") -> str:
     """A UUID in its canonical 8-4-4-4-12 hex form; returned lower-cased."""
     low = value.lower()
     parts = low.split("-")
     if [len(p) for p in parts] != [8, 4, 4, 4, 12] or not set("".join(parts)) <= _HEX:
-        raise BadValue("request uuid", value, "must be a UUID like 8-4-4-4-12 hex digits")
+        raise BadValue(what, value, "must be a UUID like 8-4-4-4-12 hex digits")
     return low
+
+
+@overload
+def request(
+    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: Literal[True]
+) -> str: ...
+@overload
+def request(
+    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: bool = ...
+) -> str | None: ...
+def request(
+    uuid: str | None,
+    key: str | None,
+    *,
+    uuid_what: str = "--request-uuid",
+    key_what: str = "--request-key",
+    required: bool = False,
+) -> str | None:
+    """The request uuid: ``uuid`` as given, or the documented UUIDv5 of ``key`` (core.keys).
+
+    None when neither is given (unless ``required``); both is a UsageError.
+    """
+    if uuid is not None and key is not None:
+        raise UsageError(f"give {uuid_what} or {key_what}, not both")
+    if key is not None:
+        return keys.request_key_uuid(key, key_what)
+    if uuid is not None:
+        return request_uuid(uuid, uuid_what)
+    if required:
+        raise UsageError(f"give {uuid_what} or {key_what}")
+    return None
+
+
+def choice(value: str, what: str, allowed: Sequence[str]) -> str:
+    """One of ``allowed`` (``--heartbeat auto|manual``, ``--queue fifo|latest``), exactly as spelt."""
+    if not isinstance(value, str) or value not in allowed:
+        listed = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+        raise BadValue(what, shown(value), f"must be {listed}")
+    return value
+
+
+def activity(text: str, what: str = "activity") -> str:
+    """An identity's activity: 1 to MAX_ACTIVITY characters, not only whitespace."""
+    if not isinstance(text, str) or not text.strip() or len(text) > MAX_ACTIVITY:
+        raise BadValue(what, shown(text), f"must be 1 to {MAX_ACTIVITY} characters, not all blank")
+    return text
 
 
 def is_uuid(value: str) -> bool:
@@ -142,3 +198,52 @@ def exit_status(value: str | int, what: str = "--busy-exit-code") -> int:
 def fence(value: str | int) -> int:
     """A fence: 1 to MAX_FENCE (etcd revisions are int64)."""
     return _integer(value, "fence", 1, MAX_FENCE)
+
+
+_UNIT_SECONDS: Final = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+# Position in largest-first order: a combined duration must go strictly down this list.
+_UNIT_RANK: Final = {unit: rank for rank, unit in enumerate(_UNIT_SECONDS)}
+# Enough for every honest spelling; keeps hostile input from costing anything.
+_MAX_DURATION_TEXT: Final = 64
+_DURATION_FORMS: Final = "30s, 50m, 2h, 1d, 1w, 1h30m, 1.5h, or plain seconds like 90"
+
+
+def _duration_text(text: str) -> float | None:
+    if not text or len(text) > _MAX_DURATION_TEXT:
+        return None
+    if text[-1] in _DIGITS:
+        return _decimal(text)
+    total = 0.0
+    start = 0
+    last_rank = -1
+    for i, ch in enumerate(text):
+        if ch in _DIGITS or ch == ".":
+            continue
+        rank = _UNIT_RANK.get(ch)
+        if rank is None or rank <= last_rank:
+            return None
+        number = _decimal(text[start:i])
+        if number is None:
+            return None
+        total += number * _UNIT_SECONDS[ch]
+        last_rank, start = rank, i + 1
+    return total if start == len(text) else None
+
+
+def duration(value: str | float, what: str, *, allow_zero: bool = False) -> float:
+    """Seconds in a duration (``--min-interval``, ``--dedupe-window``); BadValue otherwise.
+
+    Plain seconds in the grammar of ``seconds`` (``90``, ``1.5``), or numbers in that
+    grammar with the units ``s``, ``m``, ``h``, ``d`` (86400 s), ``w`` (7 d), combined
+    from the largest unit down, each at most once (``1h30m``, ``1d12h``, ``1.5h``).
+    Lower case only, so ``M`` is never mistaken for months. Refused: signs, spaces,
+    exponents, ``inf`` / ``nan``, non-ASCII digits, ``.5`` or ``5.``, ``30m1h``, more
+    than MAX_SECONDS (ten years), and 0 unless ``allow_zero``. From JSON or Python: an
+    int or a finite float, never a bool.
+    """
+    number = _duration_text(value) if isinstance(value, str) else _decimal(value)
+    # NaN fails every comparison, so it is refused with the rest.
+    if number is None or not (number >= 0 if allow_zero else number > 0) or not number <= MAX_SECONDS:
+        floor = ">= 0" if allow_zero else "> 0"
+        raise BadValue(what, shown(value), f"must be a duration {floor} and at most ten years: {_DURATION_FORMS}")
+    return number

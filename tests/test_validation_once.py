@@ -1,0 +1,227 @@
+"""One bad value, one answer: every front end refuses it with exit 64 (or the same exception
+class from ``Lock``) and the same words, the flag spelt as that front end spells it.
+
+Each case runs the real front ends that take the value: pearing-run and pearing-cli as
+processes, ``Lock(...)`` and ``ops.update_activity`` in a Python process of their own, and
+pearing-mcp through the SDK's client (test_mcp's ``serve``). The messages are compared after
+``--request-key`` is normalised to ``request_key``; nothing may be stored for a refused value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from helpers import PEARING_CLI, PEARING_RUN, Procs, q, stored_blobs
+from test_mcp import serve
+
+from singleflight.core.const import MAX_ACTIVITY, ExitCode
+
+_U = "11111111-2222-4333-8444-555555555555"
+_FORMS = "30s, 50m, 2h, 1d, 1w, 1h30m, 1.5h, or plain seconds like 90"
+_LONG = "x" * (MAX_ACTIVITY + 1)
+
+# The exception's class and line, or "accepted": what a Python caller sees.
+_LOCK_PROBE = """
+import json, sys
+from singleflight import Lock
+from singleflight.core.errors import PearingError
+try:
+    Lock("J", **json.loads(sys.argv[1]))
+except PearingError as exc:
+    print(type(exc).__name__)
+    print(exc)
+else:
+    print("accepted")
+"""
+# The layer under every front end: it checks the text itself, whoever calls it.
+_OPS_PROBE = """
+import os, sys
+from singleflight import ops
+from singleflight.backend import backend_url, open_backend
+from singleflight.core.errors import PearingError
+from singleflight.core.fs import resolve_lock_dir
+b = open_backend(backend_url(None, os.environ.get("PEARING_BACKEND")), resolve_lock_dir(None))
+try:
+    ops.update_activity(b, "tester@ops", sys.argv[1])
+except PearingError as exc:
+    print(type(exc).__name__)
+    print(exc)
+else:
+    print("accepted")
+finally:
+    b.close()
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    error: str  # BadValue (a value breaks its rule) or UsageError (flags that cannot go together)
+    message: str  # the one line, flags spelt as Python / MCP parameters
+    run: list[str] | None = None  # pearing-run flags
+    cli: list[str] | None = None  # pearing-cli arguments
+    lock: dict[str, Any] | None = None  # Lock(...) keyword arguments
+    activity: str | None = None  # ops.update_activity's text
+    mcp: tuple[str, dict[str, Any]] | None = None  # a call our own check refuses
+    # A call the MCP input schema refuses before our check runs: the SDK's (pydantic's) words,
+    # which must contain these (the parameter, the value or the limit).
+    mcp_schema: tuple[str, dict[str, Any], list[str]] | None = None
+
+
+CASES = [
+    Case(
+        "request-uuid-and-key",
+        "UsageError",
+        "give request_uuid or request_key, not both",
+        run=["--request-uuid", _U, "--request-key", "k"],
+        cli=["acquire-lock", "J", "--request-uuid", _U, "--request-key", "k"],
+        lock={"request_uuid": _U, "request_key": "k"},
+    ),
+    Case(
+        "bad-request-uuid",
+        "BadValue",
+        "bad request_uuid 'not-a-uuid': must be a UUID like 8-4-4-4-12 hex digits",
+        run=["--request-uuid", "not-a-uuid"],
+        cli=["acquire-lock", "J", "--request-uuid", "not-a-uuid"],
+        lock={"request_uuid": "not-a-uuid"},
+        mcp_schema=("acquire_lock", {"lock_name": "J", "request_uuid": "not-a-uuid"}, ["request_uuid", "'not-a-uuid'"]),
+    ),
+    Case(
+        "heartbeat-sometimes",
+        "BadValue",
+        "bad heartbeat 'sometimes': must be auto or manual",
+        run=["--heartbeat", "sometimes"],
+        lock={"heartbeat": "sometimes"},
+    ),
+    Case(
+        "queue-random",
+        "BadValue",
+        "bad queue 'random': must be fifo or latest",
+        run=["--queue", "random"],
+        lock={"queue": "random"},
+    ),
+    Case(
+        "activity-too-long",
+        "BadValue",
+        f"bad activity {'x' * 64 + '...'!r}: must be 1 to {MAX_ACTIVITY} characters, not all blank",
+        cli=["update-user-activity", "--activity", _LONG],
+        activity=_LONG,
+        mcp_schema=("update_user_activity", {"activity": _LONG}, ["activity", str(MAX_ACTIVITY)]),
+    ),
+    Case(
+        "activity-blank",
+        "BadValue",
+        f"bad activity '   ': must be 1 to {MAX_ACTIVITY} characters, not all blank",
+        cli=["update-user-activity", "--activity", "   "],
+        activity="   ",
+        mcp=("update_user_activity", {"activity": "   "}),
+    ),
+    Case(
+        "dedupe-window-1x",
+        "BadValue",
+        f"bad dedupe_window '1x': must be a duration >= 0 and at most ten years: {_FORMS}",
+        run=["--dedupe-window", "1x"],
+    ),
+    Case(
+        "min-interval-1x",
+        "BadValue",
+        f"bad min_interval '1x': must be a duration > 0 and at most ten years: {_FORMS}",
+        run=["--min-interval", "1x"],
+    ),
+]
+
+
+def _normal(line: str) -> str:
+    """The command line's spelling of a flag as a Python / MCP parameter: --request-key -> request_key."""
+    return re.sub(r"--([a-z]+(?:-[a-z]+)*)", lambda m: m.group(1).replace("-", "_"), line)
+
+
+def _error_line(prog: str, stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"{prog}: expected one line on stderr, got {stderr!r}"
+    prefix = f"{prog}: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0][len(prefix) :]
+
+
+def _probe(procs: Procs, code: str, arg: str) -> tuple[str, str]:
+    r = procs.run_text([sys.executable, "-c", code, arg])
+    assert r.returncode == 0 and r.stderr == "", r
+    kind, _, message = r.stdout.rstrip("\n").partition("\n")
+    return kind, message
+
+
+def _nothing_stored(procs: Procs, lock_dir: Path, who: str) -> None:
+    assert stored_blobs(procs.env, lock_dir) == {}, f"{who} stored something for a refused value"
+
+
+async def _mcp_message(tmp_path: Path, server_args: list[str], tool: str, arguments: dict[str, Any]) -> str:
+    """The tool error's text, without the SDK's framing (as ``PROG: error:`` is the commands')."""
+    async with serve(tmp_path, set(), *server_args) as c:
+        text = await c.error(tool, **arguments)
+    return text.removeprefix(f"Error executing tool {tool}: ")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_a_bad_value_gets_one_answer_from_every_front_end(
+    backend: str, procs: Procs, tmp_path: Path, lock_dir: Path, case: Case
+) -> None:
+    seen: dict[str, str] = {}
+    if case.run is not None:
+        r = procs.run_text([PEARING_RUN, "--job", "J", *case.run, "--", "true"])
+        assert r.returncode == ExitCode.USAGE, r
+        seen["pearing-run"] = _normal(_error_line("pearing-run", r.stderr))
+    if case.cli is not None:
+        r = procs.run_text([PEARING_CLI, *case.cli])
+        assert r.returncode == ExitCode.USAGE, r
+        assert r.stdout == "", r
+        seen["pearing-cli"] = _normal(_error_line("pearing-cli", r.stderr))
+    if case.lock is not None:
+        kind, message = _probe(procs, _LOCK_PROBE, json.dumps(case.lock))
+        assert kind == case.error, (kind, message)
+        seen["Lock"] = message
+    # The commands and Lock check before they touch the backend: not even the lock dir exists.
+    assert not lock_dir.exists(), "a refused value created the lock dir"
+    _nothing_stored(procs, lock_dir, "a command")
+
+    if case.activity is not None:
+        kind, message = _probe(procs, _OPS_PROBE, case.activity)
+        assert kind == case.error, (kind, message)
+        seen["ops.update_activity"] = message
+        _nothing_stored(procs, lock_dir, "ops.update_activity")
+    server_args = [] if backend == "local" else ["--backend", backend]
+    if case.mcp is not None:
+        seen["pearing-mcp"] = anyio.run(_mcp_message, tmp_path, server_args, *case.mcp)
+        _nothing_stored(procs, lock_dir, "pearing-mcp")
+    if case.mcp_schema is not None:
+        tool, arguments, needles = case.mcp_schema
+        text = anyio.run(_mcp_message, tmp_path, server_args, tool, arguments)
+        # The input schema carries the rule (SPEC): the SDK refuses in its own words, before we run.
+        assert "1 validation error" in text and all(n in text for n in needles), (needles, text)
+        _nothing_stored(procs, lock_dir, "pearing-mcp")
+
+    assert seen, case
+    assert set(seen.values()) == {case.message}, seen
+
+
+def test_dedupe_window_takes_days_like_min_interval(backend: str, procs: Procs, work: Path) -> None:
+    """--dedupe-window 1d is the grammar of --min-interval 1d: accepted, and honoured."""
+
+    def run(*flags: str) -> None:
+        r = procs.run_text([PEARING_RUN, "--job", "J", *flags, "--", "sh", "-c", f"echo x >> {q(work / 'ran')}"])
+        assert r.returncode == 0 and r.stderr == "", r
+
+    request = str(uuid.uuid4())
+    run("--request-uuid", request, "--dedupe-window", "1d")
+    run("--request-uuid", request, "--dedupe-window", "1d")  # a replay within the day: done already
+    run("--min-interval", "1d")
+    run("--min-interval", "1d")  # a success started less than a day ago: skipped
+    assert (work / "ran").read_text() == "x\nx\n"
