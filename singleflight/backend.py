@@ -31,9 +31,10 @@ from singleflight.core.errors import BadValue
 from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
+    from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
     from singleflight.core.ticket import RequestRecord, Ticket
-    from singleflight.core.tokens import Claim, Facts
+    from singleflight.core.tokens import Claim, Facts, TokenFiles
 
 LOCAL = "local"
 ETCD_SCHEME = "etcd://"
@@ -119,8 +120,6 @@ class Lease(Protocol):
         opted-in holder's key changed, as a cancel-in-progress request does); the holder then
         calls ``check``. None: no such fd now (asked again before every wait)."""
 
-    def remove_token_file(self) -> None: ...
-
     def release(self) -> None:
         """Let go of the lock: the next waiter is promoted now."""
 
@@ -197,27 +196,32 @@ class LockOps(Protocol):
     def record_success(self, ticket: Ticket) -> None:
         """This run succeeded: its start is the (scope, lock)'s last successful start."""
 
-    def remove_token_file(self, ticket_id: str) -> None: ...
-
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
         """Heartbeat: NotHeld once the ticket is not live."""
 
-    def release(self, ticket_id: str) -> Ticket:
-        """Release (held) or cancel (waiting), and wait until the holder let go. Idempotent."""
+    def stop(self, ticket: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
+        """End a live ticket (its token dies) and have its process let go of the lock: a holder
+        stops COMMAND first, a waiter leaves the line. Waits at most ``within`` for it. None if
+        the ticket had ended already."""
 
-    def end_orphan(self, ticket: Ticket) -> Ticket:
-        """End a ticket whose agent died without a word; remove its token file."""
+    def orphaned(self, ticket: Ticket) -> bool:
+        """Is nobody on this host left to keep this ticket's lock (its processes are dead)?"""
+
+    def position(self, ticket: Ticket) -> int | None:
+        """A waiting ticket's 1-based place in line (None: not in line)."""
+
+    def line(self) -> Line:
+        """The line as it stands: the holder first, then the waiters in order; the lock's fence."""
+
+    @property
+    def tokens(self) -> TokenFiles:
+        """This host's token files of the lock (in the lock dir on every backend)."""
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         """Block until the waiting ticket is promoted (or ends), at most ``wait_seconds``.
 
         With 0, only until an agent that is still starting is in line or past it.
         """
-
-    def view(self, ticket: Ticket) -> dict[str, Any]:
-        """The ticket object of SPEC.md, as the owner sees it."""
-
-    def status(self) -> dict[str, Any]: ...
 
 
 class Backend(Protocol):
@@ -228,8 +232,10 @@ class Backend(Protocol):
 
     def lock(self, repo: str, lock: str, *, create: bool = True) -> LockOps: ...
 
-    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
-        """Every lock of a scope (or one), with its holder and waiters."""
+    def locks(self, repo: str) -> list[str]:
+        """The names of the scope's locks."""
+
+    def read_activity(self, identity: str) -> str | None: ...
 
     def update_activity(self, identity: str, activity: str | None) -> None: ...
 

@@ -260,7 +260,7 @@ class Holder:
         if self.chan is not None:
             self.chan.send(protocol.lost(loss))
         with contextlib.suppress(PearingError):
-            self.lease.remove_token_file()
+            self.lk.tokens.remove(self.lease.ticket.ticket_id)
         if self.cfg.owned_by_wrapper and self.cmd_pid is None:
             self._await_command()
         self._stop_command()
@@ -303,7 +303,7 @@ class Holder:
 
     def finish_released(self) -> NoReturn:
         with contextlib.suppress(PearingError):
-            self.lease.remove_token_file()
+            self.lk.tokens.remove(self.lease.ticket.ticket_id)
         self._release_lock_and_exit()
 
     def _stop_command(self) -> None:

@@ -15,11 +15,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from singleflight.core import names, protocol
+from singleflight.core import names, proc, protocol
 from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
 from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.rules import tickets
 
 if TYPE_CHECKING:
     from singleflight.backend import Backend, LockOps
@@ -45,8 +46,8 @@ class AgentFailed(PearingError):
         self.exit_code = code
 
 
-def _outcome(lk: LockOps, t: Ticket) -> Outcome:
-    view = lk.view(t)
+def _outcome(backend: Backend, lk: LockOps, t: Ticket) -> Outcome:
+    view = tickets.view(backend, lk, t)
     if view["state"] == HELD:
         return Outcome(view)
     if view["state"] == WAITING:
@@ -85,20 +86,23 @@ def acquire(
             identity=identity,
             state=WAITING,
             lease_seconds=lease_seconds,
+            # Who answers for the ticket until its agent adopts it: with its start time, or
+            # it reads as dead and housekeeping cancels it (a back-to-back acquire lost its turn).
             holder_pid=os.getpid(),
+            holder_start=proc.start_time(os.getpid()),
             queue_mode=queue_mode,
             cancel_in_progress=cancel_in_progress,
             kill_grace=0.0,
         )
         t = lk.create(mine)
         if t.ticket_id != mine.ticket_id:
-            return _existing(lk, t, lease_seconds, wait_seconds), None
+            return _existing(backend, lk, t, lease_seconds, wait_seconds), None
         return _start_agent(backend, lk, t, wait_seconds, control)
     finally:
         lk.close()
 
 
-def _existing(lk: LockOps, t: Ticket, lease_seconds: float, wait_seconds: float) -> Outcome:
+def _existing(backend: Backend, lk: LockOps, t: Ticket, lease_seconds: float, wait_seconds: float) -> Outcome:
     """Same request uuid again: never a second ticket, never behind itself; renews a waiting one."""
     if t.state == WAITING:
         # It may have ended (or be just being promoted): reported below as it stands.
@@ -111,7 +115,7 @@ def _existing(lk: LockOps, t: Ticket, lease_seconds: float, wait_seconds: float)
             cur = lk.read(t.ticket_id)
             if cur is None or cur.state != WAITING or time.monotonic() >= until:
                 break
-    return _outcome(lk, lk.read(t.ticket_id) or t)
+    return _outcome(backend, lk, lk.read(t.ticket_id) or t)
 
 
 def _beat(lease_seconds: float) -> float:
@@ -160,7 +164,7 @@ def _start_agent(
             if msg.kind == protocol.ERROR:
                 cur = lk.read(t.ticket_id) or t
                 if cur.live:
-                    lk.end_orphan(cur)
+                    tickets.end_orphan(lk, cur)
                 raise AgentFailed(msg.code, msg.text)
             last = msg.kind
             if msg.kind == protocol.QUEUED:
@@ -173,8 +177,8 @@ def _start_agent(
         raise
     cur = lk.read(t.ticket_id) or t
     if last is None and chan.eof and cur.live:
-        cur = lk.end_orphan(cur)  # every write end closed: the agent died without a word
-    out = _outcome(lk, cur)
+        cur = tickets.end_orphan(lk, cur)  # every write end closed: the agent died without a word
+    out = _outcome(backend, lk, cur)
     if control is not None and last == protocol.READY:
         return out, chan
     chan.close()
@@ -188,7 +192,7 @@ def get(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str, Any
         t = lk.read(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
-        return lk.view(t)
+        return tickets.view(backend, lk, t)
     finally:
         lk.close()
 
@@ -197,7 +201,7 @@ def heartbeat(backend: Backend, lock: str, repo: str, ticket_id: str, lease_seco
     ticket_id = names.ticket_id(ticket_id)
     lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return lk.view(lk.renew(ticket_id, lease_seconds))
+        return tickets.view(backend, lk, lk.renew(ticket_id, lease_seconds))
     finally:
         lk.close()
 
@@ -207,7 +211,7 @@ def release(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str,
     ticket_id = names.ticket_id(ticket_id)
     lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return lk.view(lk.release(ticket_id))
+        return tickets.view(backend, lk, tickets.release(lk, ticket_id))
     finally:
         lk.close()
 
@@ -221,4 +225,4 @@ def update_activity(backend: Backend, identity: str, activity: str | None) -> di
 
 
 def status(backend: Backend, repo: str, lock: str | None) -> list[dict[str, Any]]:
-    return backend.status(names.scope(repo), None if lock is None else names.lock_name(lock))
+    return tickets.statuses(backend, names.scope(repo), None if lock is None else names.lock_name(lock))

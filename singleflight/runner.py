@@ -531,7 +531,7 @@ class Runner:
         self._lost(Loss(EndReason.HOLDER_GONE))
         with contextlib.suppress(PearingError):
             self.lk.end(self.ticket.ticket_id, EXPIRED, EndReason.HOLDER_GONE, release=False)
-            self.lk.remove_token_file(self.ticket.ticket_id)
+            self.lk.tokens.remove(self.ticket.ticket_id)
         keep = self.grip.keep if self.grip is not None else _nothing
         _killpg(pid, signal.SIGTERM)
         pidfd = os.pidfd_open(pid)
@@ -586,7 +586,7 @@ class Runner:
             window = o.dedupe_window if o.request_uuid else None
             record_end(self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
             self.lk.end(tid, RELEASED, EndReason.COMMAND_EXITED.text(status))
-            self.lk.remove_token_file(tid)
+            self.lk.tokens.remove(tid)
         except PearingError as exc:
             self.log.error(str(exc))
 
@@ -599,7 +599,7 @@ class Runner:
             with contextlib.suppress(PearingError):
                 self.lk.end(tid, state, EndReason.HOLDER_GONE, only_if_held=only_if_held)
         with contextlib.suppress(PearingError):
-            self.lk.remove_token_file(tid)
+            self.lk.tokens.remove(tid)
         if self.grip is not None:
             self.grip.release()
         if msg is not None and msg.kind == protocol.ERROR:

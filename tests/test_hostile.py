@@ -46,6 +46,7 @@ from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.core.tokens import Claim, token_hash
 from singleflight.local import guard, lease
 from singleflight.local.store import LockDir
+from singleflight.rules import verdict as verdict_rules
 
 pytestmark = pytest.mark.local_only("a hostile or broken lock dir: its files, modes, records and clocks")
 
@@ -369,8 +370,10 @@ def held_by_me(store: Any, token: str, lease_seconds: float) -> Ticket:
     return t
 
 
-def claim(store: Any, t: Ticket, token: str) -> Any:
-    return Claim("J", "default", t.ticket_id, token, lock_dir=store.lock_dir.path, backend=None)
+def judged(store: Any, t: Ticket, token: str) -> Any:
+    """The guard's verdict on ``token``, from what the lock dir knows of its ticket."""
+    c = Claim("J", "default", t.ticket_id, token, lock_dir=store.lock_dir.path, backend=None)
+    return verdict_rules.judge(c, guard.facts(c, token_hash(token)))
 
 
 @pytest.mark.parametrize("jump", [3600.0, -3600.0])
@@ -380,7 +383,7 @@ def test_healthy_lease_survives_a_wall_clock_jump(store: Any, monkeypatch: pytes
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + jump)
     lease.check_live(t)  # no NotHeld
-    verdict = guard.judge(store, claim(store, t, token))
+    verdict = judged(store, t, token)
     assert verdict.ok, verdict.reason
     assert lease.renew(store, t.ticket_id, 60.0).state == HELD
 
@@ -399,7 +402,7 @@ def test_expired_lease_is_not_revived_by_a_wall_clock_jump(
     monkeypatch.setattr(time, "time", lambda: real() + jump)
     with pytest.raises(NotHeld, match="lease expired"):
         lease.check_live(t)
-    verdict = guard.judge(store, claim(store, t, token))
+    verdict = judged(store, t, token)
     assert not verdict.ok and verdict.reason.startswith("lease expired"), verdict.reason
     with pytest.raises(NotHeld, match="lease expired"):
         lease.renew(store, t.ticket_id, 60.0)

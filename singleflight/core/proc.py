@@ -87,6 +87,24 @@ def signal_exact(pid: int | None, stamp: int | None, sig: int) -> bool:
         os.close(fd)
 
 
+def poke_and_wait(pid: int | None, stamp: int | None, sig: int, within: float) -> None:
+    """Signal the process recorded as (``pid``, ``stamp``) and wait until it exits, at most
+    ``within`` seconds: a holder told its ticket ended lets go of the lock, then exits."""
+    import select
+
+    if pid is None or not alive(pid, stamp):
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if signal_exact(pid, stamp, sig):
+            select.select([pidfd], [], [], within)
+    finally:
+        os.close(pidfd)
+
+
 def ensure_std_fds() -> None:
     """Open /dev/null on any of fds 0-2 that is closed, so no fd of ours ever lands there.
 

@@ -18,20 +18,18 @@ from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
-    CANCELLED,
     CLAIM_BUSY,
     CLAIM_DONE,
     CLAIM_RUN,
     ENDED_TICKET_RETENTION,
     ENV_BACKEND,
-    EXPIRED,
     HELD,
-    RELEASED,
     REQUEST_ACTIVE,
     WAITING,
 )
 from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
+from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
@@ -46,8 +44,6 @@ from singleflight.etcd.records import deadline_mono, margin_of, parse, parse_tic
 from singleflight.etcd.watch import DeleteWatch
 
 _REQUEST_RETENTION = 24 * 3600.0
-# How long a release waits for a holder on this host to let go.
-_RELEASE_WAIT = 10.0
 
 
 class EtcdLock:
@@ -344,9 +340,6 @@ class EtcdLock:
     def record_success(self, ticket: Ticket) -> None:
         self.mutex.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
 
-    def remove_token_file(self, ticket_id: str) -> None:
-        self.tokens.remove(ticket_id)
-
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
         """Heartbeat: the ticket's lease runs ``seconds`` from now, recorded in its key.
 
@@ -385,59 +378,61 @@ class EtcdLock:
             first = self.mutex.holder()
             if first is not None and first["key"] == key:
                 proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
-        return t
+        return self.read(ticket_id) or t  # its state and fence from its place in line
 
-    def release(self, ticket_id: str) -> Ticket:
+    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """The token dies now; the key stays until its holder (or waiter) lets go.
 
         Deleting it here would promote the next waiter while a pearing-run COMMAND may still
         be running (it is stopped first: TERM, the grace, KILL). Its holder sees the end at its
         next look (at once on this host: poked), and a dead one's lease lapses by itself.
         """
-        found = self.mutex.ticket(ticket_id)
+        found = self.mutex.ticket(t.ticket_id)
         if found is None:
-            self._lock_must_exist()
-            raise UnknownTicket(ticket_id)
+            return None
         t, kv = found
         if kv is None or not t.live:
-            if t.state in (RELEASED, CANCELLED):
-                return t
-            raise NotHeld(t.ticket_id, t.describe_end())
-        if t.state == WAITING and self.mutex.cancel(t, kv, EndReason.RELEASED_BY_OWNER):
-            self.tokens.remove(t.ticket_id)
-            return self.read(ticket_id) or t
+            return None
+        if t.state == WAITING and self.mutex.cancel(t, kv, reason):
+            return self.read(t.ticket_id) or t
         stored = parse(kv["value"])
-        final = RELEASED if t.state == HELD else CANCELLED
         here = t.holder_host == os.uname().nodename
-        owner = records.owner_of(kv["value"])
-        if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*owner):
+        if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*records.owner_of(kv["value"])):
             # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
             # while COMMAND lives: nobody else will let go of the key.
-            self.mutex.end(t, kv, final, EndReason.RELEASED_BY_OWNER)
-            self.tokens.remove(t.ticket_id)
-            return self.read(ticket_id) or t
-        self.mutex.end(t, kv, final, EndReason.RELEASED_BY_OWNER, revoke=False)
-        self.tokens.remove(t.ticket_id)
+            self.mutex.end(t, kv, state, reason)
+            return t
+        self.mutex.end(t, kv, state, reason, revoke=False)
         if not here:
-            self._await_gone(kv)
+            self._await_gone(kv, within)
         elif stored is not None and stored.state == HELD:
             # Only a holder that has settled (its own pid recorded, its handler in place) is poked.
-            _poke_and_wait(t)
-        return self.read(ticket_id) or t
+            proc.poke_and_wait(t.holder_pid, t.holder_start, signal.SIGUSR1, within)
+        return t
 
-    def _await_gone(self, kv: dict[str, Any]) -> None:
+    def _await_gone(self, kv: dict[str, Any], within: float) -> None:
         """A holder on another host lets go at its next look (a third of its TTL at most)."""
         watch = DeleteWatch(self.cluster, kv["key"], kv["mod_revision"])
         try:
             if self.cluster.get(kv["key"]) is not None:
-                watch.wait(time.monotonic() + _RELEASE_WAIT)
+                watch.wait(time.monotonic() + within)
         finally:
             watch.close()
 
-    def end_orphan(self, t: Ticket) -> Ticket:
-        self.end(t.ticket_id, EXPIRED if t.state == HELD else CANCELLED, EndReason.HOLDER_GONE, only_if_held=False)
-        self.tokens.remove(t.ticket_id)
-        return self.read(t.ticket_id) or t
+    def orphaned(self, t: Ticket) -> bool:
+        """On this host, its holder and the wrapper that keeps its lease while COMMAND lives are
+        both dead: nobody will let go of its key."""
+        if t.holder_host != os.uname().nodename or proc.alive(t.holder_pid, t.holder_start):
+            return False
+        kv = self.mutex.find(t.ticket_id)
+        return kv is None or not proc.alive(*records.owner_of(kv["value"]))
+
+    def position(self, t: Ticket) -> int | None:
+        kv = self.mutex.find(t.ticket_id)
+        if kv is None:
+            return None
+        keys = [k["key"] for k in self.mutex.queue(keys_only=True)[0]]
+        return (keys.index(kv["key"]) or None) if kv["key"] in keys else None
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         kv = self.mutex.find(ticket_id)
@@ -445,78 +440,36 @@ class EtcdLock:
             end = time.monotonic() + wait_seconds
             self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end, ticket_id=ticket_id)
 
-    def view(self, t: Ticket) -> dict[str, Any]:
-        position = token_file = None
-        kv = self.mutex.find(t.ticket_id) if t.live else None
-        if kv is not None:
-            kvs, _ = self.mutex.queue(keys_only=True)
-            keys = [k["key"] for k in kvs]
-            if kv["key"] in keys:
-                i = keys.index(kv["key"])
-                position = self._place(t, kv, i)
-            if t.state == HELD and self.tokens.exists(t.ticket_id):
-                token_file = self.tokens.path(t.ticket_id)
-        return t.public(activity=self.backend.read_activity(t.identity), queue_position=position, token_file=token_file)
-
     @staticmethod
-    def _place(t: Ticket, kv: dict[str, Any], i: int) -> int | None:
-        """State and fence from the ticket's place in line (first: held); its queue position."""
+    def _place(t: Ticket, kv: dict[str, Any], i: int) -> None:
+        """State and fence from the ticket's place in line (the first holds)."""
         if t.live:
             t.state = HELD if i == 0 else WAITING
         t.fence = kv["create_revision"] if i == 0 else None
-        return None if i == 0 else i
 
-    def status(self) -> dict[str, Any]:
+    def line(self) -> Line:
         q, _ = self.mutex.queue()
-        entries: list[dict[str, Any]] = []
-        lease_left = None
+        entries: list[Ticket | dict[str, Any]] = []
         for i, kv in enumerate(q):
             t = parse(kv["value"])
             if t is None:
                 # etcdctl lock, Go's concurrency.NewMutex: a holder or waiter of another client's.
                 left = self.cluster.ttl(kv["lease"]) if kv["lease"] else -1
-                entries.append(records.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None))
+                entry = records.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None)
                 if i == 0:
-                    lease_left = float(left) if left >= 0 else None
+                    entry["lease_left"] = float(left) if left >= 0 else None
+                entries.append(entry)
                 continue
-            position = self._place(t, kv, i)
-            token_file = self.tokens.path(t.ticket_id) if i == 0 and self.tokens.exists(t.ticket_id) else None
-            activity = self.backend.read_activity(t.identity)
-            entries.append(t.public(activity=activity, queue_position=position, token_file=token_file))
-            if i == 0:
-                due = deadline_mono(t)
-                lease_left = round(max(0.0, due - time.monotonic()), 3) if due is not None else None
-        holder = entries[0] if entries else None
-        if holder is not None:
-            holder["lease_left"] = lease_left
-        return {
-            "lock_name": self.lock,
-            "repo": self.repo,
-            "state": "held" if q else "free",
-            "fence": q[0]["create_revision"] if q else None,
-            "holder": holder,
-            "waiters": entries[1:],
-            # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
-            "etcd_mutex_prefix": self.mutex.prefix,
-        }
-
-
-def _poke_and_wait(t: Ticket) -> None:
-    """A holder on this host learns its ticket ended now, not at its next lease check."""
-    import select
-    import signal
-
-    if t.holder_pid is None or not proc.alive(t.holder_pid, t.holder_start):
-        return
-    try:
-        pidfd = os.pidfd_open(t.holder_pid)
-    except OSError:
-        return
-    try:
-        if proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1):
-            select.select([pidfd], [], [], _RELEASE_WAIT)
-    finally:
-        os.close(pidfd)
+            self._place(t, kv, i)
+            t.lease_deadline_mono = deadline_mono(t)
+            entries.append(t)
+        if q:
+            fence: int | None = q[0]["create_revision"]
+        else:
+            last = self.cluster.get(self.mutex.base + "last")
+            fence = int(last["value"]) if last is not None and last["value"].isdigit() else None
+        # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
+        return Line(entries, held=bool(q), fence=fence, extra={"etcd_mutex_prefix": self.mutex.prefix})
 
 
 class EtcdBackend:
@@ -556,22 +509,15 @@ class EtcdBackend:
         else:
             self.cluster.put(key, json.dumps({"activity": activity, "at": time.time()}).encode())
 
-    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
-        prefix = f"{self.cluster.root}{repo}/@" + (f"{lock}/" if lock else "")
+    def locks(self, repo: str) -> list[str]:
+        prefix = f"{self.cluster.root}{repo}/@"
         kvs, _ = self.cluster.range_prefix(prefix, keys_only=True)
         found = set()
         for kv in kvs:
-            name, _, kind = kv["key"][len(f"{self.cluster.root}{repo}/@") :].partition("/")
+            name, _, kind = kv["key"][len(prefix) :].partition("/")
             if kind.startswith("q/"):
                 found.add(name)
-        out = []
-        for name in sorted(found):
-            lk = EtcdLock(self, repo, name)
-            try:
-                out.append(lk.status())
-            finally:
-                lk.close()  # its token files' directories: a server lives for days
-        return out
+        return sorted(found)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
         return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)

@@ -437,9 +437,6 @@ class EtcdLease:
                 if self.waiting_lease and not self.settled:
                     self.cluster.keepalive(self.waiting_lease)
 
-    def remove_token_file(self) -> None:
-        self.tokens.remove(self.ticket.ticket_id)
-
     def release(self) -> None:
         """Our key goes: the next waiter is promoted now. (Unreachable: its lease lapses.)"""
         if self.watch is not None:

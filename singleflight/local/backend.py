@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import select
 import signal
 import time
 from collections.abc import Callable
@@ -15,28 +14,24 @@ from typing import Any
 
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
-    CANCELLED,
     CLAIM_BUSY,
     CLAIM_DONE,
     CLAIM_RUN,
     DEFAULT_KILL_GRACE,
-    EXPIRED,
     HELD,
     QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
+from singleflight.core.errors import UnknownLock
+from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import RequestRecord, Ticket
-from singleflight.core.tokens import Claim, Facts
+from singleflight.core.tokens import Claim, Facts, TokenFiles
 from singleflight.local import lease, queue
 from singleflight.local.store import LockDir, LockStore
-
-# How long a release waits for the holder to let go of the lock.
-_RELEASE_WAIT = 10.0
 
 
 class FlockGrip:
@@ -165,9 +160,6 @@ class LocalLease:
 
     def wake_fd(self) -> None:
         """A cancel request pokes the holder (SIGUSR1): no fd to watch."""
-
-    def remove_token_file(self) -> None:
-        self.store.tokens.remove(self.ticket.ticket_id)
 
     def release(self) -> None:
         self.grip.close()  # the kernel hands the lock to the head waiter now (once every copy is closed)
@@ -334,53 +326,27 @@ class LocalLock:
     def record_success(self, ticket: Ticket) -> None:
         self.store.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
 
-    def remove_token_file(self, ticket_id: str) -> None:
-        self.store.tokens.remove(ticket_id)
-
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
         return lease.renew(self.store, ticket_id, seconds)
 
-    def release(self, ticket_id: str) -> Ticket:
-        store = self.store
-        t = store.read_ticket(ticket_id)
-        if t is None:
-            raise UnknownTicket(ticket_id)
-        if t.state in (RELEASED, CANCELLED):
-            return t
-        if t.state not in (HELD, WAITING):
-            raise NotHeld(ticket_id, t.describe_end())
-        final = RELEASED if t.state == HELD else CANCELLED
-        ended = lease.end(store, ticket_id, final, EndReason.RELEASED_BY_OWNER, only_if_held=False)
-        if ended is None:  # it ended on its own meanwhile
-            cur = store.read_ticket(ticket_id) or t
-            if cur.state in (RELEASED, CANCELLED):
-                return cur
-            raise NotHeld(ticket_id, cur.describe_end())
-        _poke_and_wait(t)
-        return store.read_ticket(ticket_id) or ended
+    @property
+    def tokens(self) -> TokenFiles:
+        return self.store.tokens
 
-    def end_orphan(self, t: Ticket) -> Ticket:
-        """End a ticket whose holder is dead (killed): nobody holds or waits for it any more."""
-        final = EXPIRED if t.state == HELD else CANCELLED
-        ended = lease.end(self.store, t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
-        self.store.tokens.remove(t.ticket_id)
-        return self.store.read_ticket(t.ticket_id) or ended or t
+    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
+        ended = lease.end(self.store, t.ticket_id, state, reason, only_if_held=False)
+        if ended is not None:
+            # Its holder stops COMMAND and lets go of the flock; a waiter leaves the line.
+            sig = queue.WAITER_POKE if t.state == WAITING else signal.SIGUSR1
+            proc.poke_and_wait(t.holder_pid, t.holder_start, sig, within)
+        return ended
 
-    def view(self, t: Ticket) -> dict[str, Any]:
-        store = self.store
-        if t.state == HELD and not proc.alive(t.holder_pid, t.holder_start):
-            # Never report a lock held whose holder is already gone: the kernel has freed it.
-            t = self.end_orphan(t)
-        position = None
-        if t.state == WAITING:
-            live = queue.live_entries(store)
-            mine = [i for i, n in enumerate(live) if n.endswith("." + t.ticket_id)]
-            position = mine[0] + 1 if mine else None
-        token_file = None
-        if t.state == HELD and store.tokens.exists(t.ticket_id):
-            token_file = store.tokens.path(t.ticket_id)
-        activity = self.backend.dir.read_activity(t.identity)
-        return t.public(activity=activity, queue_position=position, token_file=token_file)
+    def orphaned(self, t: Ticket) -> bool:
+        return not proc.alive(t.holder_pid, t.holder_start)  # the kernel has freed its flock
+
+    def position(self, t: Ticket) -> int | None:
+        mine = [i for i, n in enumerate(queue.live_entries(self.store)) if n.endswith("." + t.ticket_id)]
+        return mine[0] + 1 if mine else None
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         store = self.store
@@ -416,27 +382,22 @@ class LocalLock:
             n.endswith("." + ticket_id) for n in queue.live_entries(self.store)
         )
 
-    def status(self) -> dict[str, Any]:
+    def line(self) -> Line:
         store, now = self.store, time.monotonic()
         holder = None
         waiters = []
         for t in store.tickets():
-            alive = proc.alive(t.holder_pid, t.holder_start)
+            if not proc.alive(t.holder_pid, t.holder_start):
+                continue
             left = t.lease_left(now)
-            if t.state == HELD and alive and (left is None or left > 0):
-                holder = self.view(t)
-                holder["lease_left"] = None if left is None else round(left, 3)
-            elif t.state == WAITING and alive:
-                waiters.append(self.view(t))
-        waiters.sort(key=lambda w: w["queue_position"] or 0)
-        return {
-            "lock_name": store.lock,
-            "repo": store.repo,
-            "state": "held" if holder else "free",
-            "fence": store.read_fence(),
-            "holder": holder,
-            "waiters": waiters,
-        }
+            if t.state == HELD and (left is None or left > 0):
+                holder = t
+            elif t.state == WAITING:
+                waiters.append(t)
+        order = {n.rpartition(".")[2]: i for i, n in enumerate(queue.live_entries(store))}
+        waiters.sort(key=lambda w: order.get(w.ticket_id, -1))  # one still starting is not in line yet
+        entries: list[Ticket | dict[str, Any]] = [holder, *waiters] if holder else [*waiters]
+        return Line(entries, held=holder is not None, fence=store.read_fence(), extra={})
 
 
 def _prepared(ticket: Ticket) -> str:
@@ -448,22 +409,6 @@ def _poll(done: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
         time.sleep(0.005)
-
-
-def _poke_and_wait(t: Ticket) -> None:
-    """Tell the holder (or waiter) its ticket ended and wait until it has let the lock go."""
-    pid = t.holder_pid
-    if pid is None or not proc.alive(pid, t.holder_start):
-        return
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return
-    try:
-        if lease.poke(t, waiter=t.state == WAITING):
-            select.select([pidfd], [], [], _RELEASE_WAIT)
-    finally:
-        os.close(pidfd)
 
 
 class LocalBackend:
@@ -490,13 +435,15 @@ class LocalBackend:
         except FileNotFoundError:
             raise UnknownLock(repo, lock) from None
 
-    def status(self, repo: str, lock: str | None) -> list[dict[str, Any]]:
+    def locks(self, repo: str) -> list[str]:
         out = []
         for store in self.dir.iter_locks(repo):
             with store:
-                if lock is None or store.lock == lock:
-                    out.append(LocalLock(self, store).status())
+                out.append(store.lock)
         return out
+
+    def read_activity(self, identity: str) -> str | None:
+        return self.dir.read_activity(identity)
 
     def update_activity(self, identity: str, activity: str | None) -> None:
         self.dir.write_activity(identity, activity)

@@ -1,0 +1,117 @@
+"""A ticket's end and its views, once for every backend: release (idempotent, held -> released,
+waiting -> cancelled), the end of an orphan, the ticket object of SPEC.md and a lock's status.
+
+A backend only reads and ends tickets, says where one stands in line and whether anyone on
+this host still keeps its lock, and stops a ticket's process (``LockOps.stop``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
+from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.reasons import EndReason
+
+if TYPE_CHECKING:
+    from singleflight.backend import Backend, LockOps
+    from singleflight.core.ticket import Ticket
+
+# How long a release waits for the ticket's process to let go of the lock (a holder stops
+# its COMMAND first: TERM, its grace, KILL). Past it the release returns; the lock follows.
+RELEASE_WAIT = 10.0
+
+
+def release(lk: LockOps, ticket_id: str) -> Ticket:
+    """Release a held ticket or cancel a waiting one, and wait until its process let go.
+
+    Idempotent: a ticket released or cancelled already is returned as it is. Any other end
+    (expired, superseded) is NotHeld with its reason: its owner must stop.
+    """
+    t = lk.read(ticket_id)
+    if t is None:
+        raise UnknownTicket(ticket_id)
+    if not t.live:
+        return _released_already(t)
+    final = RELEASED if t.state == HELD else CANCELLED
+    ended = lk.stop(t, final, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
+    if ended is None:  # it ended on its own meanwhile
+        return _released_already(lk.read(ticket_id) or t)
+    lk.tokens.remove(ticket_id)
+    return lk.read(ticket_id) or ended
+
+
+def _released_already(t: Ticket) -> Ticket:
+    if t.state in (RELEASED, CANCELLED):
+        return t
+    raise NotHeld(t.ticket_id, t.describe_end())
+
+
+def end_orphan(lk: LockOps, t: Ticket) -> Ticket:
+    """End a ticket whose process died without a word: nobody holds or waits for it any more."""
+    final = EXPIRED if t.state == HELD else CANCELLED
+    ended = lk.end(t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
+    lk.tokens.remove(t.ticket_id)
+    return lk.read(t.ticket_id) or ended or t
+
+
+def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
+    """The ticket object of SPEC.md, as its owner sees it."""
+    if t.state == HELD and lk.orphaned(t):
+        # Never report a lock held whose holder is gone: nobody keeps it any more.
+        t = end_orphan(lk, t)
+    position = lk.position(t) if t.state == WAITING else None
+    return _public(backend, lk, t, position)
+
+
+def _public(backend: Backend, lk: LockOps, t: Ticket, position: int | None) -> dict[str, Any]:
+    token_file = None
+    if t.state == HELD and lk.tokens.exists(t.ticket_id):
+        token_file = lk.tokens.path(t.ticket_id)
+    return t.public(activity=backend.read_activity(t.identity), queue_position=position, token_file=token_file)
+
+
+def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
+    """Who holds the lock, who waits in what order, and the lock's fence."""
+    line = lk.line()
+    entries: list[dict[str, Any]] = []
+    now = time.monotonic()
+    lease_left = None
+    for i, e in enumerate(line.entries):
+        first = i == 0 and line.held
+        if isinstance(e, dict):  # another client's key in the line (etcdctl lock)
+            entries.append(e)
+            if first:
+                lease_left = e.pop("lease_left", None)
+            continue
+        entries.append(_public(backend, lk, e, None if first else i + (0 if line.held else 1)))
+        if first:
+            left = e.lease_left(now)
+            lease_left = None if left is None else round(max(0.0, left), 3)
+    holder = entries[0] if line.held else None
+    if holder is not None:
+        holder["lease_left"] = lease_left
+    return {
+        "lock_name": lk.lock,
+        "repo": lk.repo,
+        "state": "held" if line.held else "free",
+        "fence": line.fence,
+        "holder": holder,
+        "waiters": entries[1:] if line.held else entries,
+        **line.extra,
+    }
+
+
+def statuses(backend: Backend, repo: str, lock: str | None) -> list[dict[str, Any]]:
+    """Every lock of a scope (or one), with its holder and waiters."""
+    out = []
+    for name in backend.locks(repo):
+        if lock is not None and name != lock:
+            continue
+        lk = backend.lock(repo, name)
+        try:
+            out.append(status(backend, lk))
+        finally:
+            lk.close()  # its token files' directories: a server lives for days
+    return out
