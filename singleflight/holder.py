@@ -15,10 +15,9 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from singleflight.core import fault, proc, protocol
+from singleflight.core import fault, group, proc, protocol
 from singleflight.core.const import ENV_TICKET, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
@@ -34,8 +33,6 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 HOLDER_SIGNALS = frozenset({signal.SIGUSR1, *_STOP_SIGNALS})
 # poll() takes an int of milliseconds: a ten-year lease must not overflow it.
 _MAX_POLL_MS = 2**31 - 1
-# select() takes at most this many seconds on every platform Python supports.
-_MAX_SELECT_S = 86400.0 * 365
 
 
 class HolderConfig:
@@ -271,7 +268,7 @@ class Holder:
         is, COMMAND started (then it is stopped) or never will be, before the lock goes."""
         chan = self.chan
         while chan is not None and not chan.eof:
-            msg = chan.recv_until(time.monotonic() + _KEEP_EVERY)
+            msg = chan.recv_until(time.monotonic() + group.KEEP_EVERY)
             self.lease.keep()
             if msg is None:
                 continue
@@ -311,13 +308,7 @@ class Holder:
         the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive)."""
         if self.cmd_pid is None or not self.cfg.owned_by_wrapper:
             return
-        if not self.cmd_done:
-            _killpg(self.cmd_pid, signal.SIGTERM)
-            if self.cmd_fd is not None:
-                wait_for_exit(self.cmd_fd, self.cfg.kill_grace, self.lease.keep)
-        # Whatever is left of the group (the leader or its children) may not go on.
-        _killpg(self.cmd_pid, signal.SIGKILL)
-        wait_for_group(self.cmd_pid, self.lease.keep)
+        group.stop(self.cmd_pid, self.cmd_fd, self.cfg.kill_grace, self.lease.keep, leader_done=self.cmd_done)
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:
@@ -332,40 +323,7 @@ class Holder:
 
 # A wrapper killed mid-spawn: how long the holder looks for the process it may have started.
 _SPAWNED_FOUND_WITHIN = 1.0
-# How often the lock is kept while COMMAND is being stopped (an etcd lease's keepalive).
-_KEEP_EVERY = 0.5
-# After SIGKILL a group is gone in moments; a process stuck in the kernel (D state) runs
-# no user code again, so the lock is not held hostage to it for longer than this.
-_GROUP_GONE_WITHIN = 10.0
-
-
-def wait_for_exit(pidfd: int, seconds: float, keep: Callable[[], None]) -> bool:
-    """Wait for the process behind ``pidfd`` to exit, at most ``seconds``, calling ``keep`` meanwhile."""
-    deadline = time.monotonic() + min(seconds, _MAX_SELECT_S)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        if select.select([pidfd], [], [], min(left, _KEEP_EVERY))[0]:
-            return True
-        keep()
-
-
-def wait_for_group(pgid: int, keep: Callable[[], None]) -> None:
-    """After SIGKILL: until no member of the group is left (zombies do not count)."""
-    deadline = time.monotonic() + _GROUP_GONE_WITHIN
-    kept = time.monotonic()
-    while proc.group_alive(pgid) and time.monotonic() < deadline:
-        if time.monotonic() - kept >= _KEEP_EVERY:
-            keep()
-            kept = time.monotonic()
-        time.sleep(0.005)
 
 
 def _ignore(signum: int, frame: object) -> None:
     """Handled only through the wakeup fd."""
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -26,16 +25,7 @@ from singleflight.core.const import (
     CANCELLED,
     CLAIM_BUSY,
     CLAIM_DONE,
-    ENV_FENCE,
-    ENV_LOCK,
-    ENV_LOCK_DIR,
-    ENV_PROMOTED,
-    ENV_REPO,
-    ENV_TICKET,
-    ENV_TOKEN,
-    ENV_TOKEN_FILE,
     EXPIRED,
-    QUEUE_FIFO,
     RELEASED,
     WAITING,
     ExitCode,
@@ -44,119 +34,25 @@ from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket, new_uuid4
-from singleflight.core.tty import JOB_CONTROL_POLL, Terminal
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip
+    from singleflight.command import Child
     from singleflight.core.metrics import Event
-    from singleflight.core.protocol import Channel, Taken
-    from singleflight.holder import HolderConfig
-
-FORWARDED_SIGNALS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-# Python ignores SIGPIPE (and we catch the forwarded ones); COMMAND starts with defaults.
-_DEFAULT_IN_CHILD = (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGALRM)
-
-
-class RunOptions:
-    __slots__ = (
-        "backend",
-        "busy_exit_code",
-        "cancel_in_progress",
-        "command",
-        "dedupe_window",
-        "heartbeat_auto",
-        "identity",
-        "job",
-        "kill_grace",
-        "lease_seconds",
-        "lock_dir",
-        "log_format",
-        "max_runtime",
-        "metrics_dir",
-        "min_interval",
-        "queue",
-        "repo",
-        "request_uuid",
-        "skip_if",
-        "verbose",
-        "wait_seconds",
-    )
-
-    def __init__(
-        self,
-        *,
-        job: str,
-        repo: str,
-        command: list[str],
-        lock_dir: str,
-        identity: str,
-        backend: str = "local",
-        lease_seconds: float = 60.0,
-        wait_seconds: float = 0.0,
-        heartbeat_auto: bool = True,
-        max_runtime: float | None = None,
-        kill_grace: float = 10.0,
-        request_uuid: str | None = None,
-        dedupe_window: float = 86400.0,
-        skip_if: str | None = None,
-        busy_exit_code: int = int(ExitCode.BUSY),
-        verbose: bool = False,
-        log_format: str = "text",
-        min_interval: float | None = None,
-        metrics_dir: str | None = None,
-        queue: str = QUEUE_FIFO,
-        cancel_in_progress: bool = False,
-    ) -> None:
-        self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
-        self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
-        self.heartbeat_auto, self.max_runtime, self.kill_grace = heartbeat_auto, max_runtime, kill_grace
-        self.request_uuid, self.dedupe_window, self.skip_if = request_uuid, dedupe_window, skip_if
-        self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
-        self.min_interval, self.metrics_dir = min_interval, metrics_dir
-        self.queue, self.cancel_in_progress = queue, cancel_in_progress
-
-    job: str
-    repo: str
-    command: list[str]
-    lock_dir: str
-    identity: str
-    backend: str
-    lease_seconds: float
-    wait_seconds: float
-    heartbeat_auto: bool
-    max_runtime: float | None
-    kill_grace: float
-    request_uuid: str | None
-    dedupe_window: float
-    skip_if: str | None
-    busy_exit_code: int
-    verbose: bool
-    log_format: str
-    min_interval: float | None
-    metrics_dir: str | None
-    queue: str
-    cancel_in_progress: bool
+    from singleflight.core.protocol import Channel
+    from singleflight.runopts import RunOptions
 
 
 class Runner:
     def __init__(self, opts: RunOptions) -> None:
         self.o = opts
         self.log = Log("pearing-run", opts.verbose, opts.log_format)
-        self.cmd_pid: int | None = None
-        self.pending: list[int] = []
+        self.child: Child | None = None  # COMMAND's side: imported once the lock is ours
         self.waited = 0.0
         self.lost: Loss | None = None
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
-        self.tty = Terminal()
         # The holder forked as the run started to wait, where a grip can be handed over later.
         self.standby: Channel | None = None
 
@@ -264,7 +160,9 @@ class Runner:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
             self.log.event("waiting", lock=o.job, position=position, max_wait=f"{o.wait_seconds:g}s")
             if lk.holder_waits_too and self.standby is None:
-                self.standby = self._fork_holder(None)
+                from singleflight.bootstrap import fork_holder
+
+                self.holder_pid, self.standby = fork_holder(o, self.ticket, None)
 
         grip = acquire(
             lk,
@@ -291,10 +189,16 @@ class Runner:
 
     def _hold_and_run(self, grip: Grip) -> int:
         o = self.o
-        for sig in FORWARDED_SIGNALS:
-            signal.signal(sig, self._forward)
+        # Not on the busy path's imports: only a run that holds the lock needs them.
+        from singleflight.bootstrap import fork_holder
+        from singleflight.command import Child, command_env
+
+        child = self.child = Child(self.log)
+        child.trap_signals()
         self.grip = grip
-        chan = self._hand_over(grip) or self._fork_holder(grip)
+        chan = self._hand_over(grip)
+        if chan is None:
+            self.holder_pid, chan = fork_holder(o, self.ticket, grip)
         fault.point("after-holder-spawn")
         msg = self._await_ready(chan, grip)
         if msg is None or msg.kind != protocol.READY:
@@ -310,9 +214,9 @@ class Runner:
             waited=f"{self.waited:.3f}s",
             promoted=int(self.ticket.promoted),
         )
-        env = self._command_env(taken)
+        env = command_env(o, self.ticket, taken)
         if o.skip_if is not None and not self._heard_lost(chan):
-            check = self._spawn(["/bin/sh", "-c", o.skip_if], env, chan)
+            check = child.spawn(["/bin/sh", "-c", o.skip_if], env, chan)
             status = self._wait_child(check, chan) if check > 0 else None
             if self.lost:
                 return self._finish(chan, 1, self._lost_code(), ran=False)
@@ -330,7 +234,7 @@ class Runner:
             return self._finish(chan, 1, self._lost_code(), ran=False)
         self.started_mono = time.monotonic()
         self._metric("start")
-        pid = self._spawn(o.command, env, chan)
+        pid = child.spawn(o.command, env, chan)
         if pid < 0:
             return self._finish(chan, -pid, -pid)
         status = self._wait_child(pid, chan)
@@ -355,123 +259,13 @@ class Runner:
         _reap(self.holder_pid)
         return None
 
-    def _fork_holder(self, grip: Grip | None) -> Channel:
-        """The holder, with ``grip``; or (None) as the run starts to wait, to be handed the grip
-        once first (``_hand_over``): no fork then lies between a hand-over and COMMAND's start."""
-        from singleflight.core.protocol import Channel
-        from singleflight.holder import HOLDER_SIGNALS, HolderConfig, detach
-
-        o = self.o
-        cfg = HolderConfig(
-            heartbeat_auto=o.heartbeat_auto,
-            max_runtime=o.max_runtime,
-            kill_grace=o.kill_grace,
-            request_uuid=o.request_uuid,
-            dedupe_window=o.dedupe_window,
-            record_success=o.min_interval is not None,
-        )
-
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
-        # Until the holder's own handlers are in place (Holder() unblocks them), a stop
-        # signal or a poke stays pending instead of hitting the wrapper's handlers in it.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, HOLDER_SIGNALS)
-        pid = os.fork()
-        if pid == 0:  # the holder
-            code = ExitCode.SOFTWARE
-            try:
-                os.close(to_w)
-                os.close(from_r)
-                detach({*(grip.fds() if grip is not None else ()), to_r, from_w})
-                code = _serve(self.o, self.ticket, grip, cfg, Channel(to_r, from_w))
-            finally:
-                os._exit(int(code))
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        os.close(to_r)
-        os.close(from_w)
-        self.holder_pid = pid
-        return Channel(from_r, to_w)
-
-    def _command_env(self, taken: Taken) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            {
-                ENV_LOCK: self.o.job,
-                ENV_REPO: self.o.repo,
-                ENV_TICKET: self.ticket.ticket_id,
-                ENV_FENCE: str(taken.fence),
-                ENV_TOKEN: taken.token,
-                ENV_TOKEN_FILE: taken.token_file,
-                ENV_LOCK_DIR: self.o.lock_dir,
-                ENV_PROMOTED: "1" if self.ticket.promoted else "0",
-            }
-        )
-        env.update(taken.env)
-        return env
-
-    def _spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
-        """COMMAND in its own process group; -126/-127 when it cannot be started."""
-        # Killed between the spawn and ``started``, we leave the holder a hint to find it by.
-        chan.send(protocol.Message(protocol.SPAWNING))
-        try:
-            pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
-        except OSError as exc:
-            code = ExitCode.NOTFOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOEXEC
-            what = "not found" if code == ExitCode.NOTFOUND else "not executable"
-            self.log.error(f"command {what}: {argv[0]}: {exc.strerror}")
-            return -int(code)
-        self.cmd_pid = pid
-        fault.point("after-command-spawn")
-        self.tty.give(pid)
-        chan.send(protocol.started(pid, proc.start_time(pid) or 0))
-        for sig in self.pending:
-            _killpg(pid, sig)
-        self.pending.clear()
-        return pid
-
-    def _forward(self, signum: int, frame: object) -> None:
-        if self.cmd_pid is not None:
-            _killpg(self.cmd_pid, signum)
-        else:
-            self.pending.append(signum)
-
     def _wait_child(self, pid: int, chan: Channel) -> int | None:
-        """Wait for COMMAND while listening to the holder; its exit code (128+N for signal N)."""
-        import select
+        assert self.child is not None
+        return self.child.wait(pid, chan, self.grip, self._heard, self._holder_vanished)
 
-        pidfd = os.pidfd_open(pid)
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        poller.register(chan.rfd, select.POLLIN)
-        # An etcd lease is kept alive by the wrapper too, whatever the heartbeat mode (heartbeats
-        # are recorded apart from it): a holder frozen (SIGSTOP, a swap storm) must not let the
-        # lease lapse into a second COMMAND while ours runs.
-        every = self.grip.keep_every if self.grip is not None else None
-        if self.tty.fd >= 0:
-            every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
-        timeout = None if every is None else int(every * 1000)
-        try:
-            while True:
-                events = poller.poll(timeout)
-                if not events:
-                    if self.grip is not None:
-                        self.grip.keep()
-                    if self.tty.fd >= 0 and (code := self._relay_stop(pid)) is not None:
-                        return code
-                for fd, _ev in events:
-                    if fd == pidfd:
-                        _, status = os.waitpid(pid, 0)
-                        return self._ended(status)
-                    chan.fill()
-                    for msg in chan.messages():
-                        if msg.loss is not None and self.lost is None:
-                            self._lost(msg.loss)
-                    if chan.eof:
-                        poller.unregister(chan.rfd)
-                        if self.lost is None:
-                            self._holder_vanished(pid)
-        finally:
-            os.close(pidfd)
+    def _heard(self, loss: Loss) -> None:
+        if self.lost is None:
+            self._lost(loss)
 
     def _heard_lost(self, chan: Channel) -> bool:
         """Has the holder said the lease is lost? Reads what is there, without blocking."""
@@ -483,26 +277,6 @@ class Runner:
                 if msg.loss is not None:
                     self._lost(msg.loss)
         return self.lost is not None
-
-    def _ended(self, status: int) -> int:
-        """COMMAND's exit status as a shell reports it (128+N for signal N); the terminal comes back."""
-        self.cmd_pid = None
-        self.tty.take_back()
-        code = os.waitstatus_to_exitcode(status)
-        return 128 - code if code < 0 else code
-
-    def _relay_stop(self, pid: int) -> int | None:
-        """^Z stopped COMMAND: stop ourselves too, so the shell regains the terminal; on ``fg``
-        give it back and continue COMMAND (as if it were one job, like flock(1)'s child)."""
-        wpid, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
-        if wpid != pid:
-            return None
-        if not os.WIFSTOPPED(status):
-            return self._ended(status)
-        self.tty.take_back()
-        os.kill(os.getpid(), signal.SIGSTOP)  # the shell sees its job stopped; `fg` continues us
-        self.tty.give(pid)
-        return None
 
     def _lost(self, loss: Loss) -> None:
         self.lost = loss
@@ -526,21 +300,19 @@ class Runner:
     def _holder_vanished(self, pid: int) -> None:
         """The holder died (kill -9): the token dies first, then COMMAND is stopped; our grip
         keeps the lock meanwhile and is released only once COMMAND's group is gone (_finish)."""
-        from singleflight.holder import wait_for_exit, wait_for_group
-
+        if self.lost is not None:
+            return  # it said so first: it was stopping COMMAND itself
         self._lost(Loss(EndReason.HOLDER_GONE))
         with contextlib.suppress(PearingError):
             self.lk.end(self.ticket.ticket_id, EXPIRED, EndReason.HOLDER_GONE, release=False)
             self.lk.tokens.remove(self.ticket.ticket_id)
-        keep = self.grip.keep if self.grip is not None else _nothing
-        _killpg(pid, signal.SIGTERM)
+        from singleflight.core import group
+
         pidfd = os.pidfd_open(pid)
         try:
-            wait_for_exit(pidfd, self.o.kill_grace, keep)
+            group.stop(pid, pidfd, self.o.kill_grace, self.grip.keep if self.grip is not None else _nothing)
         finally:
             os.close(pidfd)
-        _killpg(pid, signal.SIGKILL)
-        wait_for_group(pid, keep)
 
     def _finish(self, chan: Channel, status: int, exit_code: int, *, ran: bool = True) -> int:
         """Tell the holder COMMAND ended; exit only once the lock is free again."""
@@ -609,39 +381,8 @@ class Runner:
         return int(ExitCode.SOFTWARE)
 
 
-def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, chan: Channel) -> ExitCode:
-    """In the forked holder: take ownership, report, and serve the lease. Forked without the
-    grip (as the run started to wait), first wait for it."""
-    from singleflight.holder import Holder
-
-    try:
-        # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
-        lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job, create=False)
-        if grip is None:
-            msg = chan.recv()
-            if msg is None or msg.kind != protocol.GO:
-                return ExitCode.OK  # the run ended without the lock (timed out, busy, killed)
-            grip = lk.grip_from(msg.info)
-        fault.pause("pause-holder-start")
-        lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
-        chan.send(protocol.ready(taken))
-        Holder(lk, lease, cfg, chan).serve()
-    except PearingError as exc:
-        chan.send(protocol.error(exc.exit_code, str(exc)))
-        return exc.exit_code
-    except BaseException as exc:  # noqa: BLE001 - the holder must report, never vanish silently
-        chan.send(protocol.error(ExitCode.SOFTWARE, EndReason.INTERNAL.text(repr(exc))))
-        return ExitCode.SOFTWARE
-    return ExitCode.OK
-
-
 def _nothing() -> None:
     pass
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _reap(pid: int) -> None:

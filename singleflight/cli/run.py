@@ -29,7 +29,8 @@ from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import FORMATS, Log
 from singleflight.core.proc import ensure_std_fds
-from singleflight.runner import RunOptions, run
+from singleflight.runner import run
+from singleflight.runopts import RunOptions
 
 PROG = "pearing-run"
 SYNOPSIS = "--job NAME [options] -- COMMAND [ARG...]"

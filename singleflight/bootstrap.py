@@ -1,0 +1,79 @@
+"""How pearing-run's holder is born: forked by the wrapper and detached (its own session, none
+of the caller's fds), with the grip; or, where a grip is data (``LockOps.holder_waits_too``),
+forked as the run starts to wait and handed the grip over the pipe (``go``) once first, so no
+fork lies between the previous holder's release and COMMAND's start. The child then takes the
+lease and serves it (``holder.Holder``) until the run is over."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+from singleflight.backend import open_backend
+from singleflight.core import fault, protocol
+from singleflight.core.const import ExitCode
+from singleflight.core.errors import PearingError
+from singleflight.core.protocol import Channel
+from singleflight.core.reasons import EndReason
+from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
+
+if TYPE_CHECKING:
+    from singleflight.backend import Grip
+    from singleflight.core.ticket import Ticket
+    from singleflight.runopts import RunOptions
+
+
+def fork_holder(o: RunOptions, ticket: Ticket, grip: Grip | None) -> tuple[int, Channel]:
+    """The holder's pid and the wrapper's end of their pipes."""
+    cfg = HolderConfig(
+        heartbeat_auto=o.heartbeat_auto,
+        max_runtime=o.max_runtime,
+        kill_grace=o.kill_grace,
+        request_uuid=o.request_uuid,
+        dedupe_window=o.dedupe_window,
+        record_success=o.min_interval is not None,
+    )
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    # Until the holder's own handlers are in place (Holder() unblocks them), a stop
+    # signal or a poke stays pending instead of hitting the wrapper's handlers in it.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HOLDER_SIGNALS)
+    pid = os.fork()
+    if pid == 0:  # the holder
+        code = ExitCode.SOFTWARE
+        try:
+            os.close(to_w)
+            os.close(from_r)
+            detach({*(grip.fds() if grip is not None else ()), to_r, from_w})
+            code = _serve(o, ticket, grip, cfg, Channel(to_r, from_w))
+        finally:
+            os._exit(int(code))
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    os.close(to_r)
+    os.close(from_w)
+    return pid, Channel(from_r, to_w)
+
+
+def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, chan: Channel) -> ExitCode:
+    """In the forked holder: take ownership, report, and serve the lease. Forked without the
+    grip (as the run started to wait), first wait for it."""
+    try:
+        # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
+        lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job, create=False)
+        if grip is None:
+            msg = chan.recv()
+            if msg is None or msg.kind != protocol.GO:
+                return ExitCode.OK  # the run ended without the lock (timed out, busy, killed)
+            grip = lk.grip_from(msg.info)
+        fault.pause("pause-holder-start")
+        lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
+        chan.send(protocol.ready(taken))
+        Holder(lk, lease, cfg, chan).serve()
+    except PearingError as exc:
+        chan.send(protocol.error(exc.exit_code, str(exc)))
+        return exc.exit_code
+    except BaseException as exc:  # noqa: BLE001 - the holder must report, never vanish silently
+        chan.send(protocol.error(ExitCode.SOFTWARE, EndReason.INTERNAL.text(repr(exc))))
+        return ExitCode.SOFTWARE
+    return ExitCode.OK
