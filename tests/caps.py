@@ -3,7 +3,8 @@
 A behaviour test that expects something different on one backend asks for the property
 that makes it differ (``caps.contiguous_fences``), never for the backend's name, so a new
 backend runs the suite unchanged once it has a row here. This is the only place in the
-tests that maps a backend's name to anything.
+tests that maps a backend's name to what it can do (tests/test_architecture.py checks that
+no other test compares the name).
 """
 
 from __future__ import annotations
@@ -46,37 +47,34 @@ class Caps:
     shared_by_hosts: bool
 
 
-CAPS: Final[dict[str, Caps]] = {
-    c.name: c
-    for c in (
-        Caps(
-            name="local",
-            contiguous_fences=True,
-            records_in_lock_dir=True,
-            lock_is_flock=True,
-            outlives_freeze=True,
-            wrapper_renews_lease=False,
-            holder_gives_up_early=False,
-            shortest_lease=MIN_LEASE_SECONDS,
-            expiry_rounding=0.0,
-            dead_waiter_bound=1.0,
-            shared_by_hosts=False,
-        ),
-        Caps(
-            name="etcd",
-            contiguous_fences=False,
-            records_in_lock_dir=False,
-            lock_is_flock=False,
-            outlives_freeze=False,
-            wrapper_renews_lease=True,
-            holder_gives_up_early=True,
-            shortest_lease=2.0,
-            expiry_rounding=1.0,
-            dead_waiter_bound=5.0,
-            shared_by_hosts=True,
-        ),
-    )
-}
+# The lock dir's row is also what a local_only test (no ``backend``, so no ``caps``) passes on.
+LOCAL: Final = Caps(
+    name="local",
+    contiguous_fences=True,
+    records_in_lock_dir=True,
+    lock_is_flock=True,
+    outlives_freeze=True,
+    wrapper_renews_lease=False,
+    holder_gives_up_early=False,
+    shortest_lease=MIN_LEASE_SECONDS,
+    expiry_rounding=0.0,
+    dead_waiter_bound=1.0,
+    shared_by_hosts=False,
+)
+ETCD: Final = Caps(
+    name="etcd",
+    contiguous_fences=False,
+    records_in_lock_dir=False,
+    lock_is_flock=False,
+    outlives_freeze=False,
+    wrapper_renews_lease=True,
+    holder_gives_up_early=True,
+    shortest_lease=2.0,
+    expiry_rounding=1.0,
+    dead_waiter_bound=5.0,
+    shared_by_hosts=True,
+)
+CAPS: Final = {c.name: c for c in (LOCAL, ETCD)}
 
 
 def caps_of(backend: str) -> Caps:
