@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from caps import Caps, caps_of
 from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
 
@@ -140,3 +141,10 @@ def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
     url = f"{cluster.url}/t-{uuid.uuid4().hex[:12]}"
     env[ENV_BACKEND] = url
     return url
+
+
+@pytest.fixture
+def caps(backend: str) -> Caps:
+    """What the current ``backend`` can do: a test that expects something different on one
+    backend asks for the property (tests/caps.py), never for the backend's name."""
+    return caps_of(backend)

@@ -1,9 +1,11 @@
 """The layers are checked, not hoped for: no import cycles (imports inside functions count),
-and the import-linter contracts of pyproject.toml hold."""
+the import-linter contracts of pyproject.toml hold, and tests ask for capabilities, not backend names."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +87,93 @@ def test_backends_import_neither_each_other_nor_anything_above() -> None:
     ):
         for f in forbidden:
             assert not graph.chain_exists(importer=low, imported=f, as_packages=True), f"{low} reaches {f}"
+
+
+# -- tests ask for capabilities (tests/caps.py), not for the backend's name ------------------------
+
+TESTS = ROOT / "tests"
+# The one table that maps a name to its capabilities.
+CAPS_TABLE = TESTS / "caps.py"
+_BACKEND_NAMES = frozenset({"local", "etcd", "postgres", "postgresql"})
+_BACKEND_URL = re.compile(r"(local|etcd|postgres(ql)?)(:.*)?", re.DOTALL)
+
+
+def _is_backend(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "backend") or (
+        isinstance(node, ast.Attribute) and node.attr == "backend"
+    )
+
+
+def _builds_the_backend(node: ast.AST) -> bool:
+    """A ``backend`` fixture: it turns the parameter's name into a URL, so it may compare it."""
+    return (
+        isinstance(node, ast.FunctionDef)
+        and node.name == "backend"
+        and any("fixture" in ast.unparse(d) for d in node.decorator_list)
+    )
+
+
+def backend_name_checks(source: str) -> list[int]:
+    """Lines of ``source`` that compare a backend's name (``backend == "local"``, ``name != "etcd"``,
+    ``"local" in backend``, ``url.startswith("etcd")``) outside a ``backend`` fixture."""
+    tree = ast.parse(source)
+    exempt = {
+        line
+        for node in ast.walk(tree)
+        if _builds_the_backend(node)
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            strings = [o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)]
+            if (strings and any(_is_backend(o) for o in operands)) or _BACKEND_NAMES.intersection(strings):
+                found.add(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and any(
+                isinstance(a, ast.Constant) and isinstance(a.value, str) and _BACKEND_URL.fullmatch(a.value)
+                for a in node.args
+            )
+        ):
+            found.add(node.lineno)
+    return sorted(found - exempt)
+
+
+def test_tests_ask_for_capabilities_not_backend_names() -> None:
+    """A third backend must run the suite unchanged: a test that expects something different on
+    one backend branches on a property from tests/caps.py (``caps.contiguous_fences``)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {path.read_text().splitlines()[line - 1].strip()}"
+        for path in sorted(TESTS.glob("*.py"))
+        if path != CAPS_TABLE
+        for line in backend_name_checks(path.read_text())
+    ]
+    assert offenders == [], "compare a capability (tests/caps.py), not the backend's name:\n" + "\n".join(offenders)
+
+
+def test_backend_name_checks_are_found() -> None:
+    source = """
+import pytest
+
+@pytest.fixture
+def backend(request):
+    if request.param == "local":
+        return "local"
+
+def a(backend):
+    assert backend != "local" or fence == 1
+
+class N:
+    def b(self, name):
+        x = 1 if self.backend == "local" else 2
+        if name == "etcd":
+            pass
+        if "local" in backend or url.startswith("etcd://"):
+            pass
+        ok = identity.startswith("etcd-lease:") and caps.contiguous_fences
+"""
+    assert backend_name_checks(source) == [10, 14, 15, 17]

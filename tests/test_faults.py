@@ -18,10 +18,11 @@ at that step:
 the environment of the one process that is meant to die.
 
 ``after-holder-spawn`` (the wrapper) and ``mid-release`` (the holder) are steps of the
-runner and the holder that every backend shares: those tests take ``backend`` and run on
-etcd too, checking through ``pearing-cli status`` and the token files (which stay in the
-local lock dir on either backend). The other points are steps of the lock dir's own code
-(flock, fence file, token file write, queue, ledger file): those tests are local_only.
+runner and the holder that every backend shares: those tests take ``caps`` (so ``backend``)
+and run on etcd too. Where the records are not files in the lock dir they check through
+``pearing-cli status``; the token files stay in the local lock dir on either backend.
+The other points are steps of the lock dir's own code (flock, fence file, token file write,
+queue, ledger file): those tests are local_only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from caps import LOCAL, Caps
 from helpers import (
     PEARING_CLI,
     PEARING_GUARD,
@@ -103,9 +105,9 @@ def token_files(lock_dir: Path, job: str = "J") -> list[str]:
     return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
 
 
-def check_recovery(backend: str, procs: Procs, lock_dir: Path, log: FenceLog, label: str, faulted_at: float) -> float:
+def check_recovery(caps: Caps, procs: Procs, lock_dir: Path, log: FenceLog, label: str, faulted_at: float) -> float:
     """The invariants right after a fault, then a plain run gets the lock, then the invariants again."""
-    if backend == "local":
+    if caps.records_in_lock_dir:
         # The records, read-only: status would sweep a dead holder's record before the recovery run meets it.
         assert_one_live_holder_at_most(lock_dir, "J")
     else:
@@ -119,7 +121,7 @@ def check_recovery(backend: str, procs: Procs, lock_dir: Path, log: FenceLog, la
 
     fences = [f for _tag, f in log.rows()]
     assert fences == sorted(set(fences)), f"a fence was reissued or went down: {log.rows()}"
-    if backend == "local":
+    if caps.records_in_lock_dir:
         assert fence_on_disk(lock_dir, "J") == fences[-1], (fence_on_disk(lock_dir, "J"), log.rows())
         assert held_records(lock_dir, "J") == [], "a ticket is still held after every run ended"
     st = lock_status(procs, "J")
@@ -179,7 +181,7 @@ def test_holder_killed_while_taking_ownership(
     assert r.returncode == SOFTWARE, r
     assert len(r.err_lines) == 1 and "holder" in r.err_lines[0], r
     assert "fault" not in log.tags(), "COMMAND ran although its holder died before taking the lease"
-    check_recovery("local", procs, lock_dir, log, f"{point}/{'promoted' if promoted else 'free'}", faulted_at)
+    check_recovery(LOCAL, procs, lock_dir, log, f"{point}/{'promoted' if promoted else 'free'}", faulted_at)
 
     # The killed run never completed: its request uuid neither blocks nor deduplicates a retry.
     again = replay(procs, log, u)
@@ -194,7 +196,7 @@ def test_holder_killed_while_taking_ownership(
 
 @pytest.mark.parametrize("promoted", [False, True], ids=["free", "promoted"])
 def test_wrapper_killed_after_holder_spawn(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str], promoted: bool
+    caps: Caps, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str], promoted: bool
 ) -> None:
     log = FenceLog(work)
     assert procs.pr_run("--job", "J", "--", *log.command("first")).returncode == 0
@@ -216,8 +218,8 @@ def test_wrapper_killed_after_holder_spawn(
     assert "fault" not in log.tags(), "COMMAND ran although its wrapper died before starting it"
     # The orphaned holder sees EOF and lets go: no waiting out a 60 s lease.
     label = f"after-holder-spawn/{'promoted' if promoted else 'free'}"
-    check_recovery(backend, procs, lock_dir, log, label, faulted_at)
-    if backend == "local":
+    check_recovery(caps, procs, lock_dir, log, label, faulted_at)
+    if caps.records_in_lock_dir:
         rec = read_json(store_dir(lock_dir, "J") / "requests" / f"{u}.json")
         assert rec is not None and rec["state"] != "succeeded", rec
     again = replay(procs, log, u)
@@ -230,7 +232,7 @@ def test_wrapper_killed_after_holder_spawn(
 
 @pytest.mark.parametrize("promoted", [False, True], ids=["free", "promoted"])
 def test_holder_killed_mid_release(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str], promoted: bool
+    caps: Caps, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str], promoted: bool
 ) -> None:
     log = FenceLog(work)
     assert procs.pr_run("--job", "J", "--", *log.command("first")).returncode == 0
@@ -252,11 +254,11 @@ def test_holder_killed_mid_release(
     assert r.returncode == 0, r
     assert r.stderr == b"", r
     assert "fault" in log.tags()
-    check_recovery(backend, procs, lock_dir, log, f"mid-release/{'promoted' if promoted else 'free'}", faulted_at)
+    check_recovery(caps, procs, lock_dir, log, f"mid-release/{'promoted' if promoted else 'free'}", faulted_at)
 
     # holder.finish writes the request record BEFORE it marks the ticket released, and the
     # fault point is after that: the success must be remembered, so the replay does no work.
-    if backend == "local":
+    if caps.records_in_lock_dir:
         rec = read_json(store_dir(lock_dir, "J") / "requests" / f"{u}.json")
         assert rec is not None and rec["state"] == "succeeded", rec
     again = replay(procs, log, u)
@@ -285,7 +287,7 @@ def test_waiter_killed_mid_promotion(procs: Procs, work: Path, lock_dir: Path, e
     assert log.fence("B") > log.fence("H")
     assert waited < RECOVERY_BOUND, waited
     print(f"SERVED mid-promotion: second waiter done {waited:.3f} s after the holder released")
-    check_recovery("local", procs, lock_dir, log, "mid-promotion", released_at)
+    check_recovery(LOCAL, procs, lock_dir, log, "mid-promotion", released_at)
     # The dead waiter's record may stay until the next housekeeping (at most once a minute), but
     # nothing counts it as waiting: status shows the lock free with nobody in line.
     st = procs.run([PEARING_CLI, "status", "J"])
@@ -357,7 +359,7 @@ def test_cli_agent_killed_while_taking_ownership(
     assert shown["state"] not in ("held", "waiting"), shown
     if shown.get("fence") is not None:
         log.path.write_text(log.path.read_text() + f"cli {shown['fence']}\n")
-    check_recovery("local", procs, lock_dir, log, f"cli-agent/{point}", faulted_at)
+    check_recovery(LOCAL, procs, lock_dir, log, f"cli-agent/{point}", faulted_at)
 
 
 @pytest.mark.local_only("lock dir fault points, and it reads the ticket records before anything sweeps them")

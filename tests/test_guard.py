@@ -2,8 +2,8 @@
 
 Real processes only. Every wait is on a file or on a process the test started
 (``wait_for`` polls every 10 ms with a hard timeout); COMMANDs block on a
-``go`` file that the test creates. Tests that take ``backend`` run on the lock dir
-and on etcd; fences are read from the run, since on etcd they are revisions.
+``go`` file that the test creates. Tests that take ``backend`` (or ``caps``) run on the
+lock dir and on etcd; fences are read from the run, since on etcd they are revisions.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from caps import Caps
 from helpers import (
     PEARING_GUARD,
     PEARING_RUN,
@@ -78,7 +79,7 @@ def _start_blocked_run(procs: Procs, work: Path, job: str, prefix: str, *flags: 
 # -- verify ----------------------------------------------------------------
 
 
-def test_verify_inside_run_exits_0_and_json_has_fence(backend: str, work_procs: Procs, work: Path) -> None:
+def test_verify_inside_run_exits_0_and_json_has_fence(caps: Caps, work_procs: Procs, work: Path) -> None:
     script = (
         f"{q(PEARING_GUARD)} verify; echo $? > v.rc; "
         f"{q(PEARING_GUARD)} verify --json > v.json; echo $? > vj.rc; "
@@ -92,7 +93,7 @@ def test_verify_inside_run_exits_0_and_json_has_fence(backend: str, work_procs: 
     assert isinstance(verdict, dict)
     assert verdict["ok"] is True
     assert verdict["fence"] == int(line_file(work / "fence") or "0")
-    assert backend != "local" or verdict["fence"] == 1
+    assert not caps.contiguous_fences or verdict["fence"] == 1
 
 
 def test_verify_via_env_only_inside_run(backend: str, work_procs: Procs, work: Path) -> None:
@@ -152,14 +153,14 @@ def test_verify_after_release_is_refused(backend: str, work_procs: Procs, work: 
     g.one_line()
 
 
-def test_verify_superseded_by_newer_holder(backend: str, work_procs: Procs, work: Path) -> None:
+def test_verify_superseded_by_newer_holder(caps: Caps, work_procs: Procs, work: Path) -> None:
     r = work_procs.run_text(_run_argv("guard-sup", 'cp "$PEARING_TOKEN_FILE" old.tok'))
     assert r.returncode == 0, r.stderr
     second = _start_blocked_run(work_procs, work, "guard-sup", 'cp "$PEARING_TOKEN_FILE" new.tok')
     old_fence = json.loads((work / "old.tok").read_text())["fence"]
     new_fence = json.loads((work / "new.tok").read_text())["fence"]
     assert new_fence > old_fence
-    assert backend != "local" or (old_fence, new_fence) == (1, 2)
+    assert not caps.contiguous_fences or (old_fence, new_fence) == (1, 2)
     old = work_procs.run_text([PEARING_GUARD, "verify", "--token-file", str(work / "old.tok")])
     assert old.returncode == ExitCode.REFUSED, old
     assert f"superseded by fence {new_fence}" in old.one_line()

@@ -3,8 +3,8 @@
 Each test starts the real server with its own ``--lock-dir``. Waits are bounded
 polls on tool results (``_until``), never bare sleeps. Every ticket a test
 leaves live is released through the session, and at teardown any detached agent
-(a ticket's ``holder_pid``) still alive is killed. Tests that take ``backend`` start
-the server with ``--backend`` on etcd (the SDK's client passes the server no
+(a ticket's ``holder_pid``) still alive is killed. Tests that take ``backend`` (or ``caps``)
+start the server with ``--backend`` on etcd (the SDK's client passes the server no
 PEARING_* environment); fences are compared, since on etcd they are revisions.
 """
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import BIN_DIR, pid_alive
+from caps import Caps
+from helpers import BIN_DIR, backend_url, pid_alive
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from singleflight.core.const import MIN_LEASE_SECONDS, ExitCode
@@ -65,14 +66,16 @@ def _is_agent(pid: int) -> bool:
 
 
 @pytest.fixture
-def server_args(backend: str) -> list[str]:
-    """pearing-mcp's arguments for this test's backend."""
-    return [] if backend == "local" else ["--backend", backend]
+def server_args(backend: str, env: dict[str, str]) -> list[str]:
+    """pearing-mcp's arguments for this test's backend: the URL its commands get (``backend``
+    puts it in ``env``), none for the default lock dir."""
+    url = backend_url(env)
+    return [] if url is None else ["--backend", url]
 
 
-def _first_fence(backend: str, fence: int) -> None:
-    """A fresh lock's first fence: 1 in the lock dir, the key's create revision on etcd."""
-    assert fence == 1 if backend == "local" else fence >= 1, fence
+def _first_fence(caps: Caps, fence: int) -> None:
+    """A fresh lock's first fence: 1 where fences count per lock, else (a store-wide revision) at least 1."""
+    assert fence == 1 if caps.contiguous_fences else fence >= 1, fence
 
 
 @pytest.fixture
@@ -230,13 +233,13 @@ async def test_lists_the_seven_tools_with_the_seed_arguments(tmp_path: Path, age
 
 
 async def test_acquire_get_heartbeat_release(
-    backend: str, server_args: list[str], tmp_path: Path, agents: set[int]
+    caps: Caps, server_args: list[str], tmp_path: Path, agents: set[int]
 ) -> None:
     request = str(uuid.uuid4())
     async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire(request)
         assert held["state"] == "held"
-        _first_fence(backend, held["fence"])
+        _first_fence(caps, held["fence"])
         assert held["request_uuid"] == request
         assert (held["repo"], held["lock_name"], held["identity"]) == (SEED["repo"], SEED["lock_name"], IDENTITY)
         assert isinstance(held["holder_pid"], int) and _is_agent(held["holder_pid"])
@@ -312,7 +315,7 @@ async def test_a_second_request_waits_and_a_retry_never_makes_a_second_ticket(
 
 
 async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(
-    backend: str, server_args: list[str], tmp_path: Path, agents: set[int]
+    caps: Caps, server_args: list[str], tmp_path: Path, agents: set[int]
 ) -> None:
     async with serve(tmp_path, agents, *server_args) as c:
         held = await c.acquire()
@@ -336,7 +339,7 @@ async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(
                 await c.call("release_lock_ticket", **ref, ticket_id=held["ticket_id"])
         assert promoted["state"] == "held"
         assert promoted["fence"] > held["fence"]
-        assert backend != "local" or promoted["fence"] == 2
+        assert not caps.contiguous_fences or promoted["fence"] == 2
 
 
 async def test_a_promoted_ticket_says_it_waited(server_args: list[str], tmp_path: Path, agents: set[int]) -> None:

@@ -76,6 +76,7 @@ from pathlib import Path
 
 import nemesis_command
 import pytest
+from caps import Caps, caps_of
 from etcd_cluster import Cluster
 from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, ticket_records, wait_for
 
@@ -425,6 +426,7 @@ class Nemesis:
         self, backend: str, procs: Procs, env: dict[str, str], work: Path, seed: int, kinds: list[str]
     ) -> None:
         self.backend, self.procs, self.env, self.work, self.seed = backend, procs, env, work, seed
+        self.caps = caps_of(backend)
         self.kinds = [k for k in kinds if k not in WORKLOAD]
         self.closed_stdio = "closed-stdio" in kinds
         self.hang = "hang-heartbeat" in kinds
@@ -436,14 +438,14 @@ class Nemesis:
         self.rng_plan = random.Random(f"{seed}/plan")
         self.rng_fault = random.Random(f"{seed}/fault")
         self.rng_target = random.Random(f"{seed}/target")
-        self.leases = [1.0, 1.5, 2.0, 3.0] if backend == "local" else [2.0, 3.0]
+        self.leases = [x for x in (1.0, 1.5, 2.0, 3.0) if x >= self.caps.shortest_lease]
         # On etcd the holder gives up a margin before the cluster expires the lease; within
         # short leases that margin only covers a small grace (README: lease >= 3 x (grace + 1)).
-        self.graces = [0.2, 0.5, 0.8, 1.2] if backend == "local" else [0.0, 0.1, 0.2]
-        # How long the lock may stay out of reach after a fault: lease + kill grace + 1 s, and on
-        # etcd at least the 5 s SPEC gives a killed waiter (its key lingers until its lease
-        # expires, and etcd reaps expired leases in 0.5 s steps).
-        self.bound = max(max(self.leases) + max(self.graces) + 1.0, 5.0 if backend == "etcd" else 0.0)
+        self.graces = [0.0, 0.1, 0.2] if self.caps.holder_gives_up_early else [0.2, 0.5, 0.8, 1.2]
+        # How long the lock may stay out of reach after a fault: lease + kill grace + 1 s, and at
+        # least the time a killed waiter may still block the line (on etcd the SPEC's 5 s: its key
+        # lingers until its lease expires, and etcd reaps expired leases in 0.5 s steps).
+        self.bound = max(max(self.leases) + max(self.graces) + 1.0, self.caps.dead_waiter_bound)
         self.contenders: list[Contender] = []
         self.frozen: list[Frozen] = []
         self.faults: collections.Counter[str] = collections.Counter()
@@ -541,7 +543,7 @@ class Nemesis:
 
     def waiting_pids(self) -> set[int]:
         """pearing-run processes waiting in line, as the backend's queue names them."""
-        if self.backend == "local":
+        if self.caps.records_in_lock_dir:
             recs = ticket_records(self.procs.lock_dir, self.job)
             return {r["holder_pid"] for r in recs if r.get("state") == "waiting"}
         from singleflight.etcd.client import Cluster as Client
@@ -981,7 +983,7 @@ def test_verbose_run_with_stderr_closed_still_runs_command(backend: str, procs: 
 @pytest.mark.parametrize("fault", ["frozen-past-its-lease", "killed"])
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_a_holder_frozen_or_killed_keeps_the_lock_until_command_is_dead(
-    backend: str, fault: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+    backend: str, caps: Caps, fault: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
     """The holder of a run whose COMMAND takes 1 s in its TERM handler is frozen past its lease
     or killed -9, with a waiter in line: the waiter starts only after COMMAND is dead.
@@ -989,7 +991,7 @@ def test_a_holder_frozen_or_killed_keeps_the_lock_until_command_is_dead(
     Once failed (killed): kill -9 of the holder freed the lock before COMMAND was stopped
     (locally the kernel dropped the flock at once, on etcd the wrapper revoked the lease before
     it sent SIGTERM), and the next run started inside COMMAND's TERM handler."""
-    lease = 3.0 if fault == "killed" else 1.0 if backend == "local" else 2.0
+    lease = 3.0 if fault == "killed" else max(1.0, caps.shortest_lease)
     solo = Solo(procs, work)
     solo.start("a", ["--lease-seconds", f"{lease:g}", "--kill-grace", "3"], ["hold=30", "term=1.0"])
     solo.started("a")

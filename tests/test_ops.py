@@ -1,6 +1,6 @@
 """Operator experience: unit files, log lines, status output, --version, README blocks.
 
-Tests that take ``backend`` run on the lock dir and on etcd, where fences are revisions.
+Tests that take ``backend`` (or ``caps``) run on the lock dir and on etcd, where fences are revisions.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from caps import Caps
 from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_queued
 
 from singleflight import __version__
@@ -80,7 +81,7 @@ def test_cron_example_hourly_line_runs_once(backend: str, procs: Procs, work: Pa
 # -- log lines ---------------------------------------------------------------------------
 
 
-def test_verbose_text_lines_name_each_lifecycle_event(backend: str, procs: Procs, work: Path) -> None:
+def test_verbose_text_lines_name_each_lifecycle_event(caps: Caps, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     holder = procs.pr("-v", "--job", "j", "--", "sh", "-c", gate.script())
     gate.wait_ready()
@@ -98,10 +99,10 @@ def test_verbose_text_lines_name_each_lifecycle_event(backend: str, procs: Procs
     second = re.fullmatch(r"pearing-run: acquired .* fence=(\d+) .* promoted=1", w.err_lines[1])
     assert second, w
     assert int(second.group(1)) > int(first.group(1))
-    assert backend != "local" or (first.group(1), second.group(1)) == ("1", "2")
+    assert not caps.contiguous_fences or (first.group(1), second.group(1)) == ("1", "2")
 
 
-def test_lease_lost_line_and_json_format(backend: str, procs: Procs, work: Path) -> None:
+def test_lease_lost_line_and_json_format(caps: Caps, procs: Procs, work: Path) -> None:
     r = procs.pr_run(
         "-v", "--log-format", "json", "--job", "j", "--heartbeat", "manual", "--lease-seconds", "2",
         "--kill-grace", "2", "--", "sh", "-c", "while :; do sleep 0.05; done",
@@ -110,7 +111,7 @@ def test_lease_lost_line_and_json_format(backend: str, procs: Procs, work: Path)
     events = [json.loads(line) for line in r.err_lines]
     assert [e["event"] for e in events] == ["acquired", "heartbeat-missed", "lease-lost"]
     assert events[0]["prog"] == "pearing-run" and events[0]["ts"].endswith("Z")
-    assert isinstance(events[0]["fence"], int) and (backend != "local" or events[0]["fence"] == 1)
+    assert isinstance(events[0]["fence"], int) and (not caps.contiguous_fences or events[0]["fence"] == 1)
     assert events[1]["lease"] == "2s"
     assert events[2]["reason"] == "lease expired"
 
@@ -151,12 +152,12 @@ def _held(procs: Procs, work: Path) -> Gate:
     return gate
 
 
-def test_status_json_when_not_a_terminal(backend: str, procs: Procs, work: Path) -> None:
+def test_status_json_when_not_a_terminal(caps: Caps, procs: Procs, work: Path) -> None:
     gate = _held(procs, work)
     r = procs.run([PEARING_CLI, "status"])
     (lock,) = json.loads(r.stdout)
     assert lock["lock_name"] == "j" and lock["state"] == "held" and lock["fence"] == lock["holder"]["fence"]
-    assert backend != "local" or lock["fence"] == 1
+    assert not caps.contiguous_fences or lock["fence"] == 1
     assert lock["holder"]["identity"] == "codex" and 0 < lock["holder"]["lease_left"] <= 60
     assert lock["waiters"] == []
     gate.open()
@@ -261,7 +262,7 @@ def test_readme_cli_walkthrough_runs(backend: str, procs: Procs) -> None:
     assert ticket is not None
 
 
-def test_readme_python_guard_example_runs(backend: str, procs: Procs, work: Path) -> None:
+def test_readme_python_guard_example_runs(caps: Caps, procs: Procs, work: Path) -> None:
     """The Python guard example, run inside a pearing-run with post_reply stubbed to record."""
     code = next(b for b in _blocks("python") if "import guard" in b)
     script = work / "example.py"
@@ -275,7 +276,7 @@ def test_readme_python_guard_example_runs(backend: str, procs: Procs, work: Path
     assert r.returncode == 0, r
     word, accepted, fence = r.stdout.decode().split()
     assert (word, accepted) == ("accepted", fence), r
-    assert backend != "local" or fence == "1"
+    assert not caps.contiguous_fences or fence == "1"
 
 
 def test_readme_lock_example_runs(backend: str, procs: Procs, work: Path) -> None:
@@ -304,7 +305,7 @@ def test_readme_mentions_every_exit_code_and_env_name() -> None:
         assert os.path.basename(cmd) in README
 
 
-def test_readme_recipe_runs_for_two_responders_and_a_replay(backend: str, procs: Procs, work: Path) -> None:
+def test_readme_recipe_runs_for_two_responders_and_a_replay(caps: Caps, procs: Procs, work: Path) -> None:
     """The recipe block, with stand-ins for the agent and the thread service."""
     block = next(b for b in _blocks("sh") if "handle-thread" in b)
     bin_dir = work / "bin"
@@ -327,7 +328,7 @@ def test_readme_recipe_runs_for_two_responders_and_a_replay(backend: str, procs:
     pushed = pushes.read_text()
     fence, promoted = pushed.split()
     assert promoted == "0" and int(fence) >= 1 and pushed == f"{fence} 0\n", pushed
-    assert backend != "local" or fence == "1"
+    assert not caps.contiguous_fences or fence == "1"
     # The replay of the same event: deduplicated, nothing runs.
     assert procs.run(["sh", "-c", block], env=env).returncode == 0
     # The second responder with its own event id: --skip-if sees the work done.

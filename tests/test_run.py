@@ -2,7 +2,7 @@
 
 Each test blocks COMMANDs on files the test controls (``Gate``) and waits with
 ``wait_for`` (10 ms polls, hard timeout), never with a bare sleep. A test that takes
-``backend`` runs on the lock dir and on etcd alike, and looks only at what a user sees
+``backend`` (or ``caps``) runs on the lock dir and on etcd alike, and looks only at what a user sees
 (exit codes, COMMAND's environment, ``pearing-cli`` output); fences are compared, since
 on etcd they are the cluster's revisions, not 1, 2, 3.
 """
@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from caps import Caps
 from helpers import (
     PEARING_CLI,
     PEARING_GUARD,
@@ -86,9 +87,9 @@ def holder_pid_of(procs: Procs, job: str, ticket_id: str) -> int:
     return pid
 
 
-def assert_next_fence(backend: str, before: int, after: int) -> None:
-    """A later holder's fence is larger; the lock dir's counter skips none (etcd's revisions may)."""
-    if backend == "local":
+def assert_next_fence(caps: Caps, before: int, after: int) -> None:
+    """A later holder's fence is larger; a per-lock counter skips none (etcd's revisions may)."""
+    if caps.contiguous_fences:
         assert after == before + 1, (before, after)
     else:
         assert after > before, (before, after)
@@ -129,7 +130,7 @@ def test_busy_skip_is_fast_and_silent(backend: str, procs: Procs, work: Path) ->
 
 
 def test_command_environment_and_token_file(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
+    caps: Caps, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
     gate = Gate(work)
     envfile = work / "env.json"
@@ -144,7 +145,7 @@ def test_command_environment_and_token_file(
     assert stat.S_IMODE(lock_dir.stat().st_mode) == 0o700, "the lock dir must be created 0700"
     assert seen[ENV_PROMOTED] == "0"
     fence = int(seen[ENV_FENCE])
-    assert fence == 1 if backend == "local" else fence >= 1, fence  # etcd: the key's create revision
+    assert fence == 1 if caps.contiguous_fences else fence >= 1, fence  # etcd: the key's create revision
     ticket = seen[ENV_TICKET]
     assert str(uuid.UUID(ticket)) == ticket.lower()
     token = seen[ENV_TOKEN]
@@ -179,7 +180,7 @@ def test_command_environment_and_token_file(
 # -- 3. fences --------------------------------------------------------------------------------
 
 
-def test_fences_strictly_increase_and_persist(backend: str, procs: Procs, work: Path) -> None:
+def test_fences_strictly_increase_and_persist(caps: Caps, procs: Procs, work: Path) -> None:
     def fence_of_run(job: str, name: str) -> int:
         out = work / name
         r = procs.pr_run("--job", job, "--", *sh(f"echo ${ENV_FENCE} > {q(out)}"))
@@ -191,18 +192,18 @@ def test_fences_strictly_increase_and_persist(backend: str, procs: Procs, work: 
     fences.append(fence_of_run("J", "f4"))
     assert fences == sorted(set(fences)), fences
     assert other >= 1
-    if backend == "local":
+    if caps.contiguous_fences:
         # The lock dir counts per lock, from 1, on disk: another job starts its own sequence.
         assert (fences, other) == ([1, 2, 3, 4, 5], 1)
 
 
-def test_everything_released_before_the_wrapper_exits(backend: str, procs: Procs, work: Path, lock_dir: Path) -> None:
+def test_everything_released_before_the_wrapper_exits(caps: Caps, procs: Procs, work: Path, lock_dir: Path) -> None:
     """SPEC 6: ticket released, token file removed, lock free, and only then pearing-run exits."""
     lock_file = store_dir(lock_dir, "J") / "lock"
     for i in range(5):
         envfile = work / f"env{i}.json"
         r = procs.pr_run("--job", "J", "--", *sh(dump_env(envfile)))
-        if backend == "local":
+        if caps.lock_is_flock:
             # Checked the moment the wrapper is gone: the kernel lock is free already.
             fd = os.open(lock_file, os.O_RDWR)
             try:
@@ -213,7 +214,7 @@ def test_everything_released_before_the_wrapper_exits(backend: str, procs: Procs
         seen = read_json(envfile)
         assert seen is not None
         assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file still there after pearing-run exited"
-        if backend == "local":  # read-only, before status could sweep a record left behind
+        if caps.records_in_lock_dir:  # read-only, before status could sweep a record left behind
             assert ticket_records(lock_dir, "J") == [], "a live ticket left after the run"
         st = lock_status(procs, "J")
         assert (st["state"], st["holder"], st["waiters"]) == ("free", None, []), st
@@ -466,7 +467,7 @@ def test_kill_grace_then_sigkill(backend: str, procs: Procs, work: Path) -> None
 # -- 9. wrapper killed -------------------------------------------------------------------------
 
 
-def test_wrapper_killed_holder_keeps_lock_until_command_ends(backend: str, procs: Procs, work: Path) -> None:
+def test_wrapper_killed_holder_keeps_lock_until_command_ends(caps: Caps, procs: Procs, work: Path) -> None:
     gate = Gate(work)
     envfile = work / "env.json"
     p = procs.pr("--job", "J", "--", *sh(f"{dump_env(envfile)}; {gate.script()}"))
@@ -494,13 +495,13 @@ def test_wrapper_killed_holder_keeps_lock_until_command_ends(backend: str, procs
     fence_out = work / "next-fence"
     nxt = procs.pr_run("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(fence_out)}"))
     assert nxt.returncode == 0, nxt
-    assert_next_fence(backend, int(seen[ENV_FENCE]), int(fence_out.read_text()))
+    assert_next_fence(caps, int(seen[ENV_FENCE]), int(fence_out.read_text()))
 
 
 # -- 10. holder killed -------------------------------------------------------------------------
 
 
-def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path, lock_dir: Path) -> None:
+def test_holder_killed_stops_command(caps: Caps, procs: Procs, work: Path, lock_dir: Path) -> None:
     gate = Gate(work)
     envfile, termed = work / "env.json", work / "termed"
     script = f"trap 'touch {q(termed)}; exit 143' TERM; {dump_env(envfile)}; {gate.script()}"
@@ -518,7 +519,7 @@ def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path, loc
     assert r.elapsed < 10.0, r
     assert termed.exists(), "COMMAND got no SIGTERM"
     assert not Path(seen[ENV_TOKEN_FILE]).exists(), "token file of a dead holder left behind"
-    if backend == "local":  # read-only, before get-lock-ticket could sweep a record left held
+    if caps.records_in_lock_dir:  # read-only, before get-lock-ticket could sweep a record left held
         found = ticket_record(lock_dir, "J", ticket)
         assert found is not None and found[1]["state"] != "held", found
     assert get_ticket(procs, "J", ticket)["state"] != "held"
@@ -532,7 +533,7 @@ def test_holder_killed_stops_command(backend: str, procs: Procs, work: Path, loc
 # -- 11. storm of contenders ------------------------------------------------------------------
 
 
-def test_concurrent_contenders_never_overlap(backend: str, procs: Procs, work: Path) -> None:
+def test_concurrent_contenders_never_overlap(caps: Caps, procs: Procs, work: Path) -> None:
     n = 24
     outs = [work / f"c{i}.log" for i in range(n)]
     ps = []
@@ -556,7 +557,7 @@ def test_concurrent_contenders_never_overlap(backend: str, procs: Procs, work: P
         assert e1 < s2, f"runs with fences {f1} and {f2} overlapped"
     fences = [f for _s, _e, f in intervals]
     assert fences == sorted(set(fences)), f"fences not strictly increasing in start order: {fences}"
-    if backend == "local":
+    if caps.contiguous_fences:
         assert fences == list(range(1, n + 1)), fences
 
 
@@ -601,7 +602,7 @@ def test_wait_seconds_times_out_with_busy(backend: str, procs: Procs, work: Path
     assert procs.finish(first).returncode == 0
 
 
-def test_killed_waiter_does_not_stall_queue(backend: str, procs: Procs, work: Path) -> None:
+def test_killed_waiter_does_not_stall_queue(caps: Caps, procs: Procs, work: Path) -> None:
     gate, first_fence = Gate(work), work / "first-fence"
     first = procs.pr("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(first_fence)}; {gate.script()}"))
     gate.wait_ready()
@@ -616,14 +617,14 @@ def test_killed_waiter_does_not_stall_queue(backend: str, procs: Procs, work: Pa
     released_at = time.monotonic()
     # The kernel drops a dead waiter's queue entry at once; on etcd its key goes with its
     # lease, and SPEC promises a killed waiter stops blocking within 5 s.
-    bound = 1.0 if backend == "local" else 5.0
+    bound = caps.dead_waiter_bound
     gate.open()
     line = wait_line(out, timeout=bound + 3)
     served_after = time.monotonic() - released_at
     assert served_after < bound, f"next waiter served {served_after:.3f} s after the holder released"
     fence, promoted = line.split()
     assert promoted == "1", line
-    assert_next_fence(backend, int(wait_line(first_fence)), int(fence))
+    assert_next_fence(caps, int(wait_line(first_fence)), int(fence))
     assert not (work / "doomed-ran").exists()
     assert procs.finish(first).returncode == 0
     assert procs.finish(nxt).returncode == 0
@@ -704,7 +705,7 @@ def test_dedupe_window_zero_runs_again(backend: str, procs: Procs, work: Path) -
 # -- 14. skip-if ------------------------------------------------------------------------------
 
 
-def test_skip_if(backend: str, procs: Procs, work: Path) -> None:
+def test_skip_if(caps: Caps, procs: Procs, work: Path) -> None:
     skip_env = work / "skip-env"
     r = procs.pr_run(
         "--job",
@@ -719,7 +720,7 @@ def test_skip_if(backend: str, procs: Procs, work: Path) -> None:
     assert not (work / "m1").exists(), "COMMAND ran although --skip-if said done"
     fence, promoted = skip_env.read_text().split()
     assert promoted == "0" and int(fence) >= 1, "skip-if did not get the token environment"
-    assert backend != "local" or fence == "1", fence
+    assert not caps.contiguous_fences or fence == "1", fence
     r = procs.pr_run("--job", "J", "--skip-if", "false", "--", "touch", str(work / "m2"))
     assert r.returncode == 0, r
     assert (work / "m2").exists()
@@ -754,7 +755,7 @@ def test_skip_if_sees_promoted(backend: str, procs: Procs, work: Path) -> None:
 # -- 15. no inherited fds -------------------------------------------------------------------------
 
 
-def test_holder_keeps_no_caller_pipes(backend: str, procs: Procs, work: Path, lock_dir: Path) -> None:
+def test_holder_keeps_no_caller_pipes(caps: Caps, procs: Procs, work: Path, lock_dir: Path) -> None:
     quick = procs.pr_run("--job", "J", "--", "true", stdin=subprocess.PIPE)
     assert quick.returncode == 0, quick
     assert quick.elapsed < 5.0, quick
@@ -774,7 +775,7 @@ def test_holder_keeps_no_caller_pipes(backend: str, procs: Procs, work: Path, lo
     holder_fds = proc_fd_targets(holder)
     assert holder_fds, "could not read the holder's fds"
     assert caller_pipes.isdisjoint(holder_fds), f"holder keeps caller pipes open: {holder_fds}"
-    if backend == "local":
+    if caps.lock_is_flock:
         lock_file = str(store_dir(lock_dir, "J") / "lock")
         assert lock_file in holder_fds, "the holder does not hold the lock file open"
     cmd_fds = proc_fd_targets(cmd_pid)
