@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import PEARING_CLI, PEARING_RUN, Procs, q, stored_blobs
+from helpers import PEARING_CLI, PEARING_RUN, Procs, backend_url, q, stored_blobs
 from test_mcp import serve
 
 from singleflight.core.const import MAX_ACTIVITY, ExitCode
@@ -197,7 +197,8 @@ def test_a_bad_value_gets_one_answer_from_every_front_end(
         assert kind == case.error, (kind, message)
         seen["ops.update_activity"] = message
         _nothing_stored(procs, lock_dir, "ops.update_activity")
-    server_args = [] if backend == "local" else ["--backend", backend]
+    url = backend_url(procs.env)
+    server_args = [] if url is None else ["--backend", url]
     if case.mcp is not None:
         seen["pearing-mcp"] = anyio.run(_mcp_message, tmp_path, server_args, *case.mcp)
         _nothing_stored(procs, lock_dir, "pearing-mcp")
