@@ -1,15 +1,19 @@
 """The etcd client's HTTP/1.1 (``singleflight.etcd.wire``) against answers cut at every byte,
-and against a real loopback server that closes a kept-alive connection while it is idle."""
+a real loopback server that closes a kept-alive connection while it is idle, and a peer that
+drips its answer."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
+from hostile_peer import HostilePeer
 
-from singleflight.etcd.wire import Answer, Conn, WireError
+from singleflight.etcd.wire import Answer, Conn, Stream, WireError
 
 SIZED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": "b"}\n'
 CHUNKED = (
@@ -110,3 +114,60 @@ def test_no_member_is_an_os_error() -> None:
         port = s.getsockname()[1]  # bound, never listening: refused
         with pytest.raises(OSError):
             Conn("127.0.0.1", port, 1.0).request("/v3/kv/range", b"{}")
+
+
+# -- a hostile peer: a deadline on the whole exchange ------------------------------------------
+
+
+@pytest.fixture
+def peer() -> Iterator[HostilePeer]:
+    p = HostilePeer()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def in_thread(fn: Callable[[], object], bound: float) -> tuple[object, float]:
+    """(what ``fn`` returned or raised, seconds it took); fails the test past ``bound`` seconds.
+    A thread, so that the test fails instead of hanging on the code it tests."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:  # handed to the test to assert on
+            out.append(exc)
+
+    start = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    if t.is_alive():
+        pytest.fail(f"still running after {bound:g} s")
+    return out[0], time.monotonic() - start
+
+
+def test_a_member_that_drips_its_answer_times_out_within_the_request_timeout(peer: HostilePeer) -> None:
+    """A byte every second never trips a 2 s timeout on each read: the deadline is the whole request's."""
+    conn = Conn("127.0.0.1", peer.start("drip"), 2.0)
+    result, took = in_thread(lambda: conn.request("/v3/kv/range", b"{}"), 10.0)
+    assert isinstance(result, TimeoutError), result
+    assert 1.5 < took < 4.0, took
+    assert conn.sock is None  # a connection in the middle of an answer is never reused
+
+
+def test_a_watch_whose_head_drips_in_is_a_wire_error(peer: HostilePeer) -> None:
+    stream = Stream("127.0.0.1", peer.start("drip"), "/v3/watch", b"{}", 1.0)
+
+    def read_until_broken() -> object:
+        while True:
+            select.select([stream], [], [], 1.0)
+            stream.read()
+
+    try:
+        result, took = in_thread(read_until_broken, 10.0)
+    finally:
+        stream.close()
+    assert isinstance(result, WireError), result
+    assert took < 4.0, took
