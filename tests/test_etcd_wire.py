@@ -1,18 +1,21 @@
 """The etcd client's HTTP/1.1 (``singleflight.etcd.wire``) against answers cut at every byte,
 a real loopback server that closes a kept-alive connection while it is idle, and a peer that
-drips its answer."""
+drips its answer; and the client's decoder (``client.decode``) against answers not etcd's."""
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hostile_peer import HostilePeer
 
+from singleflight.etcd.client import NotEtcd, decode, op_delete, op_put, op_range
 from singleflight.etcd.wire import Answer, Conn, Stream, WireError
 
 SIZED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": "b"}\n'
@@ -171,3 +174,58 @@ def test_a_watch_whose_head_drips_in_is_a_wire_error(peer: HostilePeer) -> None:
         stream.close()
     assert isinstance(result, WireError), result
     assert took < 4.0, took
+
+
+# -- answers that are not etcd's ---------------------------------------------------------------
+
+HEADER = {"header": {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "2"}}
+KV = {"key": "eA==", "create_revision": "2", "mod_revision": "3", "version": "1"}
+TXN = {"compare": [], "success": [op_range("a"), op_put("b", b"1")], "failure": [op_delete("c")]}
+AT_7 = {"header": {"revision": "7"}}
+
+
+def test_etcd_answers_decode_as_they_are() -> None:
+    """Answers as etcd 3.4's gateway writes them (zero values left out)."""
+    for path, request, answer in [
+        ("kv/range", {}, {**HEADER, "kvs": [KV], "count": "1"}),
+        ("kv/range", {}, HEADER),
+        ("kv/put", {}, HEADER),
+        ("kv/txn", TXN, {**HEADER, "succeeded": True, "responses": [{"response_range": AT_7}, {"response_put": AT_7}]}),
+        ("kv/txn", TXN, {**HEADER, "responses": [{"response_delete_range": AT_7}]}),
+        ("kv/txn", {"compare": [], "success": [], "failure": []}, {**HEADER, "succeeded": True}),
+        ("lease/grant", {}, {**HEADER, "ID": "81806088640968971", "TTL": "5"}),
+        ("lease/keepalive", {}, {"result": {**HEADER, "ID": "81806088640968971"}}),
+        ("kv/lease/timetolive", {}, {**HEADER, "ID": "8", "TTL": "-1"}),
+    ]:  # fmt: skip
+        assert decode(path, request, json.dumps(answer).encode()) == answer
+
+
+@pytest.mark.parametrize(
+    ("path", "request_", "answer"),
+    [
+        ("kv/range", {}, b"hello"),
+        ("kv/range", {}, b"\xff\xfe"),
+        ("kv/range", {}, b"[]"),
+        ("kv/range", {}, b"{}"),
+        ("kv/range", {}, b'{"header": {}}'),
+        ("kv/range", {}, b'{"header": []}'),
+        ("kv/range", {}, b"[" * 100000),
+        ("kv/range", {}, b'{"header": ' * 900 + b"{}" + b"}" * 900),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": {"key": "eA=="}}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "key": "not base64!"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "mod_revision": "3e2"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "mod_revision": "\u0663"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "count": 1.5}).encode()),
+        ("kv/put", {}, json.dumps({"header": {"revision": None}}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "succeeded": True}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "succeeded": "yes"}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "responses": [{"response_range": {}}]}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "responses": [{"response_delete_range": []}]}).encode()),
+        ("lease/grant", {}, json.dumps(HEADER).encode()),
+        ("lease/keepalive", {}, json.dumps(HEADER).encode()),
+    ],
+)
+def test_what_is_not_etcds_answer_is_refused(path: str, request_: dict[str, Any], answer: bytes) -> None:
+    with pytest.raises(NotEtcd):
+        decode(path, request_, answer)
