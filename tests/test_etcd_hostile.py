@@ -1,4 +1,4 @@
-"""A hostile or wrong peer in the etcd member list (issue 22, items 8 and 9).
+"""A hostile or wrong peer in the etcd member list, and corrupt values in etcd (issue 22, 7-9).
 
 - A peer that drips its answer a byte at a time never trips a per-read timeout: every request
   has a deadline on the whole exchange, then the next member is asked; with none left the
@@ -6,6 +6,8 @@
 - A peer that answers HTTP 200 with something that is not etcd's (``hello``, ``{}``, ``[]``,
   a header without a revision) is a member that failed, never an internal error (70); a
   proxy's error page of several lines is still one line in the error.
+- A fence ledger key whose value is not a fence is a corrupt record (74) naming the key,
+  and is left as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from etcd_cluster import Cluster as EtcdCluster
 from helpers import PEARING_CLI, PEARING_GUARD, Procs
 from hostile_peer import KINDS, HostilePeer
 
-from singleflight.core.const import ENV_BACKEND, ExitCode
+from singleflight.core.const import ENV_BACKEND, MAX_FENCE, ExitCode
+from singleflight.etcd.client import Cluster
 
 pytestmark = pytest.mark.etcd
 
@@ -102,3 +105,53 @@ def test_a_run_through_a_hostile_member_first(kind: str, peer: HostilePeer, proc
     r = procs.pr_run("--backend", first, "--job", "j", "--", "sh", "-c", "echo ran", timeout=30)
     assert r.returncode == 0, r
     assert r.stdout == b"ran\n", r
+
+
+# -- corrupt ledger values ---------------------------------------------------------------------
+
+BAD_FENCES = [
+    b"garbage",
+    b"1e3",
+    b"",
+    b"-5",
+    b"0",
+    b"+5",
+    b" 5",
+    b"5\n",
+    b"007",
+    b"1_000",
+    "\u0663".encode(),  # ARABIC-INDIC DIGIT THREE: int() of the text reads 3
+    str(MAX_FENCE + 1).encode(),
+    b"9" * 5000,  # int() refuses it (CVE-2020-10735 limit): still corrupt, never 70
+]
+
+
+@pytest.mark.parametrize("value", BAD_FENCES, ids=lambda v: repr(v) if len(v) < 24 else f"{len(v)}-digits")
+def test_a_corrupt_ledger_value_is_74_and_kept(value: bytes, procs: Procs, etcd: EtcdCluster) -> None:
+    url = f"{etcd.url}/{tenant()}"
+    client = Cluster(url)
+    key = f"{client.root}ledger/r1"
+    client.put(key, value)
+    before = client.get(key)
+    procs.env[ENV_BACKEND] = url
+    r = procs.run_text([PEARING_GUARD, "fence", "--resource", "r1", "--fence", "7"])
+    assert r.returncode == ExitCode.IOERR, r
+    line = r.one_line()
+    assert key in line and "corrupt" in line, line
+    after = client.get(key)
+    client.close()
+    assert after == before
+
+
+def test_a_good_ledger_value_is_read_and_raised(procs: Procs, etcd: EtcdCluster) -> None:
+    url = f"{etcd.url}/{tenant()}"
+    client = Cluster(url)
+    key = f"{client.root}ledger/r1"
+    client.put(key, b"5")
+    procs.env[ENV_BACKEND] = url
+    for fence, rc in (("4", ExitCode.REFUSED), ("5", ExitCode.OK), ("7", ExitCode.OK)):
+        r = procs.run_text([PEARING_GUARD, "fence", "--resource", "r1", "--fence", fence])
+        assert r.returncode == rc, r
+    kv = client.get(key)
+    client.close()
+    assert kv is not None and kv["value"] == b"7"
