@@ -1,15 +1,22 @@
 """The etcd client's HTTP/1.1 (``singleflight.etcd.wire``) against answers cut at every byte,
-and against a real loopback server that closes a kept-alive connection while it is idle."""
+a real loopback server that closes a kept-alive connection while it is idle, and a peer that
+drips its answer; and the client's decoder (``client.decode``) against answers not etcd's."""
 
 from __future__ import annotations
 
+import json
+import select
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from hostile_peer import HostilePeer
 
-from singleflight.etcd.wire import Answer, Conn, WireError
+from singleflight.etcd.client import NotEtcd, decode, op_delete, op_put, op_range
+from singleflight.etcd.wire import Answer, Conn, Stream, WireError
 
 SIZED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": "b"}\n'
 CHUNKED = (
@@ -110,3 +117,115 @@ def test_no_member_is_an_os_error() -> None:
         port = s.getsockname()[1]  # bound, never listening: refused
         with pytest.raises(OSError):
             Conn("127.0.0.1", port, 1.0).request("/v3/kv/range", b"{}")
+
+
+# -- a hostile peer: a deadline on the whole exchange ------------------------------------------
+
+
+@pytest.fixture
+def peer() -> Iterator[HostilePeer]:
+    p = HostilePeer()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def in_thread(fn: Callable[[], object], bound: float) -> tuple[object, float]:
+    """(what ``fn`` returned or raised, seconds it took); fails the test past ``bound`` seconds.
+    A thread, so that the test fails instead of hanging on the code it tests."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:  # handed to the test to assert on
+            out.append(exc)
+
+    start = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    if t.is_alive():
+        pytest.fail(f"still running after {bound:g} s")
+    return out[0], time.monotonic() - start
+
+
+def test_a_member_that_drips_its_answer_times_out_within_the_request_timeout(peer: HostilePeer) -> None:
+    """A byte every second never trips a 2 s timeout on each read: the deadline is the whole request's."""
+    conn = Conn("127.0.0.1", peer.start("drip"), 2.0)
+    result, took = in_thread(lambda: conn.request("/v3/kv/range", b"{}"), 10.0)
+    assert isinstance(result, TimeoutError), result
+    assert 1.5 < took < 4.0, took
+    assert conn.sock is None  # a connection in the middle of an answer is never reused
+
+
+def test_a_watch_whose_head_drips_in_is_a_wire_error(peer: HostilePeer) -> None:
+    stream = Stream("127.0.0.1", peer.start("drip"), "/v3/watch", b"{}", 1.0)
+
+    def read_until_broken() -> object:
+        while True:
+            select.select([stream], [], [], 1.0)
+            stream.read()
+
+    try:
+        result, took = in_thread(read_until_broken, 10.0)
+    finally:
+        stream.close()
+    assert isinstance(result, WireError), result
+    assert took < 4.0, took
+
+
+# -- answers that are not etcd's ---------------------------------------------------------------
+
+HEADER = {"header": {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "2"}}
+KV = {"key": "eA==", "create_revision": "2", "mod_revision": "3", "version": "1"}
+TXN = {"compare": [], "success": [op_range("a"), op_put("b", b"1")], "failure": [op_delete("c")]}
+AT_7 = {"header": {"revision": "7"}}
+
+
+def test_etcd_answers_decode_as_they_are() -> None:
+    """Answers as etcd 3.4's gateway writes them (zero values left out)."""
+    for path, request, answer in [
+        ("kv/range", {}, {**HEADER, "kvs": [KV], "count": "1"}),
+        ("kv/range", {}, HEADER),
+        ("kv/put", {}, HEADER),
+        ("kv/txn", TXN, {**HEADER, "succeeded": True, "responses": [{"response_range": AT_7}, {"response_put": AT_7}]}),
+        ("kv/txn", TXN, {**HEADER, "responses": [{"response_delete_range": AT_7}]}),
+        ("kv/txn", {"compare": [], "success": [], "failure": []}, {**HEADER, "succeeded": True}),
+        ("lease/grant", {}, {**HEADER, "ID": "81806088640968971", "TTL": "5"}),
+        ("lease/keepalive", {}, {"result": {**HEADER, "ID": "81806088640968971"}}),
+        ("kv/lease/timetolive", {}, {**HEADER, "ID": "8", "TTL": "-1"}),
+    ]:  # fmt: skip
+        assert decode(path, request, json.dumps(answer).encode()) == answer
+
+
+@pytest.mark.parametrize(
+    ("path", "request_", "answer"),
+    [
+        ("kv/range", {}, b"hello"),
+        ("kv/range", {}, b"\xff\xfe"),
+        ("kv/range", {}, b"[]"),
+        ("kv/range", {}, b"{}"),
+        ("kv/range", {}, b'{"header": {}}'),
+        ("kv/range", {}, b'{"header": []}'),
+        ("kv/range", {}, b"[" * 100000),
+        ("kv/range", {}, b'{"header": ' * 900 + b"{}" + b"}" * 900),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": {"key": "eA=="}}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "key": "not base64!"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "mod_revision": "3e2"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "kvs": [{**KV, "mod_revision": "\u0663"}]}).encode()),
+        ("kv/range", {}, json.dumps({**HEADER, "count": 1.5}).encode()),
+        ("kv/put", {}, json.dumps({"header": {"revision": None}}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "succeeded": True}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "succeeded": "yes"}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "responses": [{"response_range": {}}]}).encode()),
+        ("kv/txn", TXN, json.dumps({**HEADER, "responses": [{"response_delete_range": []}]}).encode()),
+        ("lease/grant", {}, json.dumps(HEADER).encode()),
+        ("lease/keepalive", {}, json.dumps(HEADER).encode()),
+    ],
+)
+def test_what_is_not_etcds_answer_is_refused(path: str, request_: dict[str, Any], answer: bytes) -> None:
+    with pytest.raises(NotEtcd):
+        decode(path, request_, answer)

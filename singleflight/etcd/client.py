@@ -87,9 +87,94 @@ def _refusal(detail: str | None) -> Refused | None:
     try:
         body = json.loads(detail or "")
         code = int(body.get("code", -1))
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, RecursionError):
         return None
     return Refused(code, str(body.get("message") or body.get("error") or "")) if code in _REQUEST_CODES else None
+
+
+class NotEtcd(Exception):
+    """A member's HTTP 200 whose body is not etcd's answer to the call (a wrong port, a proxy's
+    page): the member failed, as one that did not answer."""
+
+
+# What the readers below take from an answer, checked once here (``decode``) so that none of
+# them can fail on a peer that is not etcd: int64s are JSON strings of ASCII digits, bytes base64.
+_INTS = frozenset({"revision", "create_revision", "mod_revision", "lease", "count", "deleted", "ID", "TTL"})
+_BYTES = frozenset({"key", "value"})
+_LISTS = frozenset({"kvs", "responses"})
+_OBJECTS = frozenset({"header", "result", "response_range", "response_put", "response_delete_range", "response_txn"})
+_NEEDS = {"lease/grant": ("ID",)}
+
+
+def _check(obj: Any, where: str) -> dict[str, Any]:
+    """``obj``, if it is an object whose known fields (and theirs) have etcd's types. A loop,
+    not recursion: a hostile answer nested a thousand deep is refused, not a RecursionError."""
+    if not isinstance(obj, dict):
+        raise NotEtcd(f"{where} is not an object")
+    todo = [(obj, where)]
+    while todo:
+        part, at = todo.pop()
+        if not isinstance(part, dict):
+            raise NotEtcd(f"{at} is not an object")
+        for name, value in part.items():
+            if name in _OBJECTS:
+                todo.append((value, name))
+            elif name in _LISTS:
+                if not isinstance(value, list):
+                    raise NotEtcd(f"{at}.{name} is not a list")
+                todo += [(item, name) for item in value]
+            elif not _fits(name, value):
+                raise NotEtcd(f"{at}.{name} is not etcd's")
+    return obj
+
+
+def _fits(name: str, value: Any) -> bool:
+    if name in _INTS:
+        return isinstance(value, str) and value.isascii() and value.removeprefix("-").isdigit() and len(value) <= 20
+    if name in _BYTES:
+        if not isinstance(value, str):
+            return False
+        try:
+            base64.b64decode(value, validate=True)
+        except ValueError:  # binascii.Error
+            return False
+        return True
+    if name == "succeeded":
+        return isinstance(value, bool)
+    return True
+
+
+def decode(path: str, request: dict[str, Any], data: bytes) -> dict[str, Any]:
+    """The answer to ``request`` at ``path``; NotEtcd when it is not etcd's: JSON, an object,
+    a header with the revision, a key in every kv, and for a txn one response per op of the
+    branch it took, each of that op's kind."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
+        raise NotEtcd(f"not JSON: {exc}") from None
+    r = _check(obj, "answer")
+    inner = _check(r.get("result"), "result") if path == "lease/keepalive" else r
+    header = inner.get("header")  # its type checked with the rest
+    if not isinstance(header, dict) or "revision" not in header:
+        raise NotEtcd("no header with a revision")
+    for name in _NEEDS.get(path, ()):
+        if name not in inner:
+            raise NotEtcd(f"answer has no {name}")
+    ranges = [resp.get("response_range", {}) for resp in r.get("responses", [])]
+    if not all("key" in kv for part in [r, *ranges] for kv in part.get("kvs", [])):
+        raise NotEtcd("a kv has no key")
+    if path == "kv/txn":
+        ops = request.get("success" if r.get("succeeded") else "failure", [])
+        want = ["response" + next(iter(op)).removeprefix("request") for op in ops]
+        if [next(iter(resp), "") for resp in r.get("responses", [])] != want:
+            raise NotEtcd(f"txn answer is not one response per op ({', '.join(want) or 'none'})")
+    return r
+
+
+def _shown(text: str) -> str:
+    """A member's words in our one line: its first 80 characters, control characters escaped
+    (a proxy's error page is several lines of HTML)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:80])
 
 
 class Cluster:
@@ -124,17 +209,22 @@ class Cluster:
             except OSError as exc:
                 errors.append(f"{where}: {type(exc).__name__}")
                 continue
-            text = data.decode(errors="replace")
             if status == 200:
+                try:
+                    result = decode(path, body, data)
+                except NotEtcd as exc:
+                    conn.close()  # whatever it is, it is not asked again on this connection
+                    errors.append(f"{where}: not an etcd answer ({_shown(str(exc))})")
+                    continue
                 self.current = k
-                result: dict[str, Any] = json.loads(text)
                 return result
+            text = data.decode(errors="replace")
             refused = _refusal(text)
             if refused is not None:
                 self.current = k
                 raise refused
             # A member that lost quorum (or its leader) answers with an error: try the next one.
-            errors.append(f"{where}: {text[:80]}")
+            errors.append(f"{where}: {_shown(text)}")
         raise BackendUnavailable(self.url, "; ".join(errors))
 
     # -- kv ------------------------------------------------------------------

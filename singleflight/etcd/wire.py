@@ -10,6 +10,7 @@ waiter is forked at every hand-over: the smaller it is, the sooner its holder st
 from __future__ import annotations
 
 import socket
+import time  # loaded at interpreter start-up anyway: no import cost
 
 # An answer's head larger than this is not the gateway's.
 _MAX_HEAD = 16384
@@ -131,20 +132,30 @@ class Conn:
             self.sock = None
 
     def request(self, path: str, payload: bytes) -> tuple[int, bytes]:
-        """(HTTP status, body). OSError (WireError included) when the member did not answer.
+        """(HTTP status, body). OSError (WireError included) when the member did not answer
+        within ``timeout``: the whole exchange, connect to the answer's last byte.
+
+        A timeout on each read alone is no bound: a peer that sends one byte a second never
+        trips it, and the head may take 16 kB of them (hours). One deadline for the request
+        keeps ``timeout`` what the caller budgets a member at (the holder's renewal margin).
 
         A kept-alive connection that the member closed while it was idle fails before any
-        answer: then once more on a fresh connection (the member never saw the request)."""
+        answer: then once more on a fresh connection (the member never saw the request),
+        within the same deadline."""
         data = request_bytes(self.host, self.port, path, payload)
+        deadline = time.monotonic() + self.timeout
         for attempt in range(2):
             reused = self.sock is not None
-            if self.sock is None:
-                self.sock = connect(self.host, self.port, self.timeout)
             answer = Answer()
             try:
-                self.sock.sendall(data)
+                if self.sock is None:
+                    self.sock = connect(self.host, self.port, _left(deadline))
+                sock = self.sock
+                sock.settimeout(_left(deadline))
+                sock.sendall(data)
                 while not answer.done:
-                    chunk = self.sock.recv(_READ)
+                    sock.settimeout(_left(deadline))
+                    chunk = sock.recv(_READ)
                     if not chunk:
                         if answer.status and answer.length is None and not answer.chunked:
                             break  # an answer that ends with the connection
@@ -161,12 +172,25 @@ class Conn:
         raise WireError("no answer")  # not reached: the second attempt returns or raises
 
 
+def _left(deadline: float) -> float:
+    """Seconds to the request's deadline; TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no answer within the request timeout")
+    return left
+
+
 class Stream:
     """One watch request on one member: its answer read without blocking, message by message."""
 
     def __init__(self, host: str, port: int, path: str, payload: bytes, connect_timeout: float) -> None:
+        # The stream may then be quiet for as long as the wait lasts, but etcd writes its head
+        # in one piece, with the watch's first message: a head that trickles in past the
+        # timeout is not etcd's, and would hold the watch (and miss its wake-up) forever.
+        self._head_due = time.monotonic() + connect_timeout
         self.sock = connect(host, port, connect_timeout)
         try:
+            self.sock.settimeout(_left(self._head_due))
             self.sock.sendall(request_bytes(host, port, path, payload))
             self.sock.setblocking(False)
         except OSError:
@@ -193,6 +217,8 @@ class Stream:
         if not data:
             raise WireError("closed by the member")
         self._answer.feed(data)
+        if not self._answer.status and time.monotonic() > self._head_due:
+            raise WireError("no answer head within the request timeout")
         if self._answer.status and self._answer.status != 200:
             raise WireError(f"watch refused: HTTP {self._answer.status}")
         if self._answer.status and not self._answer.chunked:

@@ -1,0 +1,132 @@
+"""A hostile or wrong peer on 127.0.0.1, for a test to put in an ``etcd://`` member list.
+
+API::
+
+    peer = HostilePeer()
+    port = peer.start("drip")   # any of KINDS; call again for more peers
+    ...                         # etcd://127.0.0.1:{port},GOOD ...
+    peer.stop()                 # closes every listener and connection, joins every thread
+
+Kinds:
+
+- ``drip``: accepts, reads nothing, and sends ``HTTP/1.1 200 OK\\r\\n`` and then header
+  lines one byte every DRIP_EVERY seconds, never ending the head: each ``recv`` gets a byte
+  well within any per-read timeout, so only a deadline on the whole exchange ends it.
+- ``hello``, ``{}``, ``[]``, ``{"header": {}}``: answers every request with HTTP 200 and that
+  body (kept alive, Content-Length): a wrong port, something that is not etcd.
+- ``proxy-502``: answers HTTP 502 with a proxy's HTML page, several lines long.
+
+Threads, one per listener and one per connection, all daemons: nothing here outlives
+``stop()`` (or, at worst, the test session), and no connection lasts longer than LIFETIME.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+DRIP_EVERY = 1.0
+LIFETIME = 120.0  # a ceiling on any one connection, whatever the client does
+_PAGE = b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>nginx</body>\r\n</html>\r\n"
+ANSWERS = {body: (200, body.encode()) for body in ("hello", "{}", "[]", '{"header": {}}')}
+ANSWERS["proxy-502"] = (502, _PAGE)
+KINDS = ("drip", *ANSWERS)
+
+
+class HostilePeer:
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._listeners: list[socket.socket] = []
+        self._conns: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.connections = 0  # accepted so far, over every listener
+
+    def start(self, kind: str) -> int:
+        """A new listener of ``kind`` (see KINDS); its port."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown hostile peer kind {kind!r}: one of {KINDS}")
+        sock = socket.create_server(("127.0.0.1", 0))
+        self._listeners.append(sock)
+        self._spawn(self._accept, sock, kind)
+        return int(sock.getsockname()[1])
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for s in self._listeners + self._conns:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=5)
+
+    def _spawn(self, target: object, *args: object) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        with self._lock:
+            self._threads.append(t)
+        t.start()
+
+    def _accept(self, sock: socket.socket, kind: str) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                    return
+                self._conns.append(conn)
+                self.connections += 1
+            self._spawn(self._drip if kind == "drip" else self._answer, conn, kind)
+
+    def _drip(self, conn: socket.socket, _kind: str) -> None:
+        data = b"HTTP/1.1 200 OK\r\n" + b"X-Drip: x\r\n" * 1000
+        until = time.monotonic() + LIFETIME
+        with conn:
+            for i in range(len(data)):
+                if time.monotonic() > until:
+                    return
+                try:
+                    conn.sendall(data[i : i + 1])
+                except OSError:
+                    return  # the client gave up: what it should do
+                if self._stop.wait(DRIP_EVERY):
+                    return
+
+    def _answer(self, conn: socket.socket, kind: str) -> None:
+        status, body = ANSWERS[kind]
+        answer = b"HTTP/1.1 %d Whatever\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (
+            status,
+            len(body),
+            body,
+        )
+        conn.settimeout(LIFETIME)
+        buf = b""
+        with conn:
+            while not self._stop.is_set():
+                try:
+                    while b"\r\n\r\n" not in buf:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        buf += chunk
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value)
+                    while len(buf) < length:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        buf += chunk
+                    buf = buf[length:]
+                    conn.sendall(answer)
+                except OSError:
+                    return
