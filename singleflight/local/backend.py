@@ -9,17 +9,15 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from types import FrameType
 from typing import Any
 
-from singleflight.core import fault, names, proc
+from singleflight.core import names, proc
 from singleflight.core.const import (
     CLAIM_BUSY,
     CLAIM_DONE,
     CLAIM_RUN,
     DEFAULT_KILL_GRACE,
     HELD,
-    QUEUE_LATEST,
     RELEASED,
     REQUEST_ACTIVE,
     WAITING,
@@ -31,102 +29,8 @@ from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import Claim, Facts, TokenFiles
 from singleflight.local import lease, queue
+from singleflight.local.place import FlockGrip, LocalPlace
 from singleflight.local.store import LockDir, LockStore
-
-
-class FlockGrip:
-    """The lock file's fd, flocked. One open file description, so one flock: the wrapper's
-    and the holder's copies (fork) keep the lock until both are closed."""
-
-    keep_every = None
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def fds(self) -> set[int]:
-        return {self.fd}
-
-    def keep(self) -> None:
-        """The fd keeps the lock by being open."""
-
-    def still_ours(self) -> bool:
-        return True  # the kernel keeps a flock for as long as the fd is open, frozen or not
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    release = close
-
-    def handover(self) -> dict[str, Any]:
-        return {}  # an fd: the holder gets it by the fork (``LocalLock.holder_waits_too``)
-
-
-def _on_poke(signum: int, frame: FrameType | None) -> None:
-    raise queue.Interrupted
-
-
-class LocalPlace:
-    def __init__(self, lk: LocalLock, ticket: Ticket, fd: int, grip: FlockGrip | None) -> None:
-        self.lk, self.ticket, self.fd, self.grip = lk, ticket, fd, grip
-        self.waiter: queue.Waiter | None = None
-        self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
-
-    def queue(self, deadline: float) -> int:
-        store = self.lk.store
-        # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
-        # poke us: held back until the wait's kernel call, where it is handled.
-        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, queue.POKES)
-        signal.signal(queue.WAITER_POKE, _on_poke)
-        self.waiter = queue.Waiter(store, self.ticket.ticket_id)
-        superseded: list[Ticket] = []
-        with store.mutex():
-            if self.ticket.queue_mode == QUEUE_LATEST:
-                superseded = self._supersede()
-            place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
-            self.waiter.enqueue(deadline, seq=place or None)
-            if store.read_ticket(self.ticket.ticket_id) is None:
-                store.write_ticket(self.ticket)
-        for t in superseded:
-            lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
-        return self.waiter.position()
-
-    def _supersede(self) -> list[Ticket]:
-        """Cancel the older ``latest`` waiters of this lock. Caller holds the mutex."""
-        store, me, now = self.lk.store, self.ticket.ticket_id, time.time()
-        out = []
-        for t in store.tickets():
-            if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me:
-                t.supersede(me, now)
-                store.write_ticket(t)
-                out.append(t)
-        return out
-
-    def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
-        assert self.waiter is not None
-        got = self.waiter.wait(self.fd, deadline)
-        if not got:
-            return None
-        fault.point("mid-promotion")
-        self.grip = FlockGrip(self.fd)
-        return self.grip
-
-    def leave(self) -> None:
-        if self.waiter is not None:
-            self.waiter.leave()
-            self.waiter = None
-        if self._mask is not None:
-            # A poke that came after the wait is moot (the ticket is read again): drop it.
-            while signal.sigtimedwait(queue.POKES, 0) is not None:
-                pass
-            # One sent before we stopped waiting may still arrive (its sender read us waiting).
-            signal.signal(queue.WAITER_POKE, signal.SIG_IGN)
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-            self._mask = None
-        if self.grip is None and self.fd >= 0:
-            os.close(self.fd)
-        self.fd = -1
 
 
 class LocalLease:
@@ -236,10 +140,10 @@ class LocalLock:
         fd = self.store.open_lock_file()
         if queue.try_flock(fd):
             if not queue.live_entries(self.store):
-                return LocalPlace(self, ticket, fd, FlockGrip(fd))
+                return LocalPlace(self.store, ticket, fd, FlockGrip(fd))
             # Free for a moment, but others are in line: they go first.
             fcntl.flock(fd, fcntl.LOCK_UN)
-        return LocalPlace(self, ticket, fd, None)
+        return LocalPlace(self.store, ticket, fd, None)
 
     def cancel_holder(self, ticket: Ticket) -> float | None:
         store = self.store
@@ -272,12 +176,22 @@ class LocalLock:
             if existing is not None:
                 return existing
             ticket.set_lease(ticket.lease_seconds)
+            # Created behind a holder or a waiter, it waits behind another holder (promoted), even
+            # if that one is gone before its agent gets going: as on etcd.
+            ticket.promoted = self._taken() or bool(queue.live_entries(store))
             store.write_ticket(ticket)
             store.write_request(
                 ticket.request_uuid,
                 RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time()),
             )
         return ticket
+
+    def _taken(self) -> bool:
+        """Does a live holder have the lock now? (Its pointer, not the flock: a probe of the
+        flock would turn a run that finds the lock free into a waiter for that instant.)"""
+        holder_id = self.store.read_pointer("holder")
+        h = self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
+        return h is not None and h.state == HELD and proc.alive(h.holder_pid, h.holder_start)
 
     def read(self, ticket_id: str) -> Ticket | None:
         return self.store.read_ticket(ticket_id)

@@ -114,7 +114,7 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
         ticket.boot_id = proc.boot_id()
         ticket.holder_host = os.uname().nodename
         ticket.acquired_at = time.time()
-        ticket.promoted = promoted
+        ticket.promoted = promoted or ticket.promoted  # or it was created behind a holder
         ticket.set_lease(ticket.lease_seconds)
         store.write_ticket(ticket)
     store.tokens.write(ticket, token)

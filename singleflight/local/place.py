@@ -1,0 +1,114 @@
+"""The lock dir's grip and place in line: a kernel ``flock`` on the lock file, and a FIFO entry
+in the queue dir while waiting for it (``queue.Waiter``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from singleflight.core import fault
+from singleflight.core.const import QUEUE_LATEST, WAITING
+from singleflight.core.ticket import Ticket
+from singleflight.local import lease, queue
+
+if TYPE_CHECKING:
+    from singleflight.local.store import LockStore
+
+
+class FlockGrip:
+    """The lock file's fd, flocked. One open file description, so one flock: the wrapper's
+    and the holder's copies (fork) keep the lock until both are closed."""
+
+    keep_every = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fds(self) -> set[int]:
+        return {self.fd}
+
+    def keep(self) -> None:
+        """The fd keeps the lock by being open."""
+
+    def still_ours(self) -> bool:
+        return True  # the kernel keeps a flock for as long as the fd is open, frozen or not
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    release = close
+
+    def handover(self) -> dict[str, Any]:
+        return {}  # an fd: the holder gets it by the fork (``LocalLock.holder_waits_too``)
+
+
+def _on_poke(signum: int, frame: FrameType | None) -> None:
+    raise queue.Interrupted
+
+
+class LocalPlace:
+    def __init__(self, store: LockStore, ticket: Ticket, fd: int, grip: FlockGrip | None) -> None:
+        self.store, self.ticket, self.fd, self.grip = store, ticket, fd, grip
+        self.waiter: queue.Waiter | None = None
+        self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
+
+    def queue(self, deadline: float) -> int:
+        store = self.store
+        # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
+        # poke us: held back until the wait's kernel call, where it is handled.
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, queue.POKES)
+        signal.signal(queue.WAITER_POKE, _on_poke)
+        self.waiter = queue.Waiter(store, self.ticket.ticket_id)
+        superseded: list[Ticket] = []
+        with store.mutex():
+            if self.ticket.queue_mode == QUEUE_LATEST:
+                superseded = self._supersede()
+            place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
+            self.waiter.enqueue(deadline, seq=place or None)
+            if store.read_ticket(self.ticket.ticket_id) is None:
+                store.write_ticket(self.ticket)
+        for t in superseded:
+            lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
+        return self.waiter.position()
+
+    def _supersede(self) -> list[Ticket]:
+        """Cancel the older ``latest`` waiters of this lock. Caller holds the mutex."""
+        store, me, now = self.store, self.ticket.ticket_id, time.time()
+        out = []
+        for t in store.tickets():
+            if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me:
+                t.supersede(me, now)
+                store.write_ticket(t)
+                out.append(t)
+        return out
+
+    def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
+        assert self.waiter is not None
+        got = self.waiter.wait(self.fd, deadline)
+        if not got:
+            return None
+        fault.point("mid-promotion")
+        self.grip = FlockGrip(self.fd)
+        return self.grip
+
+    def leave(self) -> None:
+        if self.waiter is not None:
+            self.waiter.leave()
+            self.waiter = None
+        if self._mask is not None:
+            # A poke that came after the wait is moot (the ticket is read again): drop it.
+            while signal.sigtimedwait(queue.POKES, 0) is not None:
+                pass
+            # One sent before we stopped waiting may still arrive (its sender read us waiting).
+            signal.signal(queue.WAITER_POKE, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
+        if self.grip is None and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
