@@ -37,7 +37,8 @@ from singleflight.core.tokens import Claim, Facts, TokenFiles, mint_token, token
 from singleflight.etcd import events, records
 from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
-from singleflight.etcd.lease import EtcdGrip, EtcdLease, margin_for
+from singleflight.etcd.grip import EtcdGrip
+from singleflight.etcd.lease import EtcdLease, margin_for
 from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import deadline_mono, margin_of, parse, parse_ticket, stamp_lease

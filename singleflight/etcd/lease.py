@@ -11,7 +11,6 @@ period is enough, whatever the etcd lease's TTL. The etcd lease only proves the 
 from __future__ import annotations
 
 import contextlib
-import math
 import select
 import time
 from typing import Any
@@ -21,8 +20,9 @@ from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
-from singleflight.etcd.client import Cluster, Refused, b64, cmp, op_delete, op_put, op_range, ranged, revision, unb64
-from singleflight.etcd.lock import WAIT_TTL, Mutex, ttl_of
+from singleflight.etcd import ending
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
+from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.records import deadline_mono, parse, stamp_lease, value
 from singleflight.etcd.watch import KeyWatch
 
@@ -32,17 +32,8 @@ _RETRY = 0.25
 # a write at once would delay the release of a short COMMAND by one more fsync, and until then
 # the key is first in line, kept alive with its waiting lease by both wrapper and holder.
 _SETTLE_AFTER = 0.1
-# The longest wait between two keepalives of the wrapper's, whatever the lease.
-_KEEP_AT_MOST_EVERY = 3600.0
 # How long after the hand-over the old holder cleans up (see ``housekeeping``).
 _HOUSEKEEPING_AFTER = 0.2
-# How often ``end`` tries its txn (a heartbeat or a new guarded command may come in between),
-# and how often of these it waits for guarded commands of its ticket before the token dies
-# regardless (a COMMAND starting pearing-guard exec after exec, each racing the end).
-_END_TRIES = 8
-_END_GUARD_ROUNDS = 4
-# While ``end`` waits for a guarded command, the lease is kept alive at least this often.
-_GUARD_KEEP_EVERY = 1.0
 
 
 def margin_for(ttl: int, kill_grace: float, request_timeout: float) -> float:
@@ -54,114 +45,6 @@ def margin_for(ttl: int, kill_grace: float, request_timeout: float) -> float:
     at once. Lease >= 3 x (grace + 1.5 s) keeps the whole grace.
     """
     return min(kill_grace + 0.5 + request_timeout, ttl / 3)
-
-
-class EtcdGrip:
-    """Our key, first in line, its token, and the holder's lease: what the wrapper hands its
-    holder. No fd.
-
-    Wrapper and holder both keep the lease alive, so a frozen holder cannot let it lapse
-    into a second COMMAND; it is revoked by the holder, or by the wrapper once COMMAND is
-    dead. Until the holder has settled, the key may still ride on its waiting lease: that
-    one is kept alive (and revoked) with it.
-    """
-
-    def __init__(
-        self,
-        cluster: Cluster,
-        lease: int,
-        kv: dict[str, Any],
-        ttl: int,
-        *,
-        kept_at: float,
-        token: str,
-        waiting_lease: int = 0,
-        waiting_kept_at: float = 0.0,
-        keep_lease: int = 0,
-    ) -> None:
-        self.cluster, self.lease, self.kv, self.token = cluster, lease, kv, token
-        self.waiting_lease = waiting_lease
-        self.keep_lease = keep_lease  # an hour's lease for the end record, granted while waiting
-        # When the last keepalive that succeeded was sent, of the holder's lease and of the
-        # waiting lease (which the key rides on until the holder settles).
-        self.kept_at, self.waiting_kept_at = kept_at, waiting_kept_at
-        self.ttl = ttl
-        # A promoted waiter's key rides on its waiting lease until the holder settles; at most
-        # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
-        self.keep_every: float | None = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
-
-    def fds(self) -> set[int]:
-        return set()
-
-    def handover(self) -> dict[str, Any]:
-        kv = self.kv
-        return {
-            "kv": {
-                "key": str(kv["key"]),
-                "value": b64(kv["value"]),
-                "create_revision": int(kv["create_revision"]),
-                "mod_revision": int(kv["mod_revision"]),
-                "lease": int(kv.get("lease") or 0),
-            },
-            "lease": self.lease,
-            "ttl": self.ttl,
-            "token": self.token,
-            "kept_at": self.kept_at,
-            "waiting_lease": self.waiting_lease,
-            "waiting_kept_at": self.waiting_kept_at,
-            "keep_lease": self.keep_lease,
-        }
-
-    @classmethod
-    def from_handover(cls, cluster: Cluster, info: dict[str, Any]) -> EtcdGrip:
-        """The grip ``handover`` described (monotonic stamps are the host's, shared by its processes)."""
-        kv = dict(info["kv"])
-        kv["value"] = unb64(str(kv["value"]))
-        return cls(
-            cluster,
-            int(info["lease"]),
-            kv,
-            int(info["ttl"]),
-            kept_at=float(info["kept_at"]),
-            token=str(info["token"]),
-            waiting_lease=int(info["waiting_lease"]),
-            waiting_kept_at=float(info["waiting_kept_at"]),
-            keep_lease=int(info["keep_lease"]),
-        )
-
-    def keep(self) -> None:
-        with contextlib.suppress(BackendUnavailable, Refused):
-            sent = time.monotonic()
-            if self.cluster.keepalive(self.lease) > 0:
-                self.kept_at = sent
-            if self.waiting_lease and self.cluster.keepalive(self.waiting_lease) > 0:
-                self.waiting_kept_at = sent
-
-    def still_ours(self) -> bool:
-        """Every lease the key may ride on kept alive within half its TTL: certainly ours, no
-        request (the usual hand-over). Else (wrapper and holder were both frozen, or the
-        cluster was slow) look: a lease that lapsed took the key with it, and the next waiter
-        may be running already."""
-        now = time.monotonic()
-        fresh = now - self.kept_at < self.ttl / 2
-        if self.waiting_lease:
-            fresh = fresh and now - self.waiting_kept_at < WAIT_TTL / 2
-        if fresh:
-            return True
-        self.keep()
-        try:
-            kv = self.cluster.get(str(self.kv["key"]))
-        except BackendUnavailable:
-            return False
-        return kv is not None and kv["create_revision"] == self.kv["create_revision"]
-
-    def close(self) -> None:
-        """The lease lives in the cluster; the holder lets go of the key when it hands over."""
-
-    def release(self) -> None:
-        self.cluster.revoke(self.lease)
-        if self.waiting_lease:
-            self.cluster.revoke(self.waiting_lease)
 
 
 class EtcdLease:
@@ -374,61 +257,8 @@ class EtcdLease:
         return None
 
     def end(self, state: str, reason: str) -> None:
-        """The token dies, after the guarded commands of its ticket (``pearing-guard exec``, each a
-        key of its own, on a lease of its --max-seconds) have ended: expiry and release wait for
-        them, as on the lock dir, with our lease kept alive meanwhile. Released (COMMAND has
-        ended): the key goes in the same txn, and the next waiter is woken one round trip after
-        COMMAND's end. Otherwise the key stays, marked ended, until ``release``: the lock is ours
-        while COMMAND is being stopped."""
-        if self.unreachable:
-            return  # stopping COMMAND must not wait on a cluster we cannot reach
-        t, g = self.ticket, self.mutex.g
-        # No guard key at all, the usual case: one txn, as without guards. Else: none of ours
-        # since the revision at which we saw the last one go.
-        guarded: dict[str, Any] | None = cmp(g, "CREATE", "EQUAL", 0, prefix=True)
-        rounds = 0
-        with contextlib.suppress(BackendUnavailable, Refused):
-            for _ in range(_END_TRIES):
-                t.state, t.end_reason, t.ended_at = state, reason, time.time()
-                body = self._body()
-                ops = [
-                    op_put(self.mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
-                    op_put(self.mutex.base + "last", str(self.fence).encode()),
-                    op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease),
-                ]
-                mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
-                r = self.cluster.txn(
-                    mine + ([guarded] if guarded else []),
-                    ops,
-                    [op_range(self.key), op_range(g, prefix=True, limit=1, keys_only=True)],
-                )
-                if r.get("succeeded"):
-                    self.ended = body
-                    self.key_gone = state == RELEASED
-                    return
-                now = ranged(r, 0)[0]
-                cur = parse(now[0]["value"]) if now and now[0]["create_revision"] == self.fence else None
-                if cur is None or not cur.live:
-                    return  # gone, or ended by its owner (release-lock-ticket): that end record stands
-                if now[0]["mod_revision"] != self.mod:
-                    self.mod = now[0]["mod_revision"]  # a heartbeat came in between
-                elif guarded is not None and ranged(r, 1)[0]:
-                    rounds += 1
-                    at = self._await_guards() if rounds <= _END_GUARD_ROUNDS else None
-                    guarded = None if at is None else cmp(g, "CREATE", "LESS", at + 1, prefix=True)
-                else:
-                    return  # not ours to end any more (the next check says why)
-
-    def _await_guards(self) -> int | None:
-        """Until no guarded command of our ticket is in flight, our lease kept alive meanwhile;
-        the revision at which none was. None: our lease lapsed, or the cluster was out of reach
-        until the cut-off (COMMAND must be stopped now, while the lease is still ours)."""
-
-        def until() -> float:
-            return -math.inf if self.lapsed else self._cut_off()
-
-        every = min(_GUARD_KEEP_EVERY, self.ttl / 4)
-        return self.mutex.wait_guards_of(self.ticket.ticket_id, until, self._keepalive, every)
+        """The token dies, after the guarded commands of its ticket (``ending.end``)."""
+        ending.end(self, state, reason)
 
     def keep(self) -> None:
         if not self.unreachable:

@@ -11,7 +11,7 @@ from singleflight.core.const import ENDED_TICKET_RETENTION, QUEUE_LATEST
 from singleflight.core.ticket import Ticket
 from singleflight.etcd import events
 from singleflight.etcd.client import Cluster
-from singleflight.etcd.lease import EtcdGrip
+from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lock import FIRST, WAIT_TTL, Mutex, ttl_of
 
 

@@ -1,0 +1,113 @@
+"""How a holder's token dies on etcd: after the guarded commands of its ticket have ended.
+
+``pearing-guard exec`` registers each guarded command as a key of its own under the lock's
+``g/`` prefix, on a lease of its --max-seconds; a holder's end waits for those of its ticket,
+keeping its own lease alive meanwhile, so a side effect in flight lands before the token dies
+and the next holder proceeds (as the lock dir's guard lock does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Protocol
+
+from singleflight.core.const import RELEASED
+from singleflight.core.errors import BackendUnavailable
+from singleflight.core.ticket import Ticket
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged
+from singleflight.etcd.lock import Mutex
+from singleflight.etcd.records import parse
+
+# How often ``end`` tries its txn (a heartbeat or a new guarded command may come in between),
+# and how often of these it waits for guarded commands of its ticket before the token dies
+# regardless (a COMMAND starting pearing-guard exec after exec, each racing the end).
+_END_TRIES = 8
+_END_GUARD_ROUNDS = 4
+# While ``end`` waits for a guarded command, the lease is kept alive at least this often.
+_GUARD_KEEP_EVERY = 1.0
+
+
+class _Held(Protocol):
+    """What of a holder's lease (``EtcdLease``) its end reads and sets."""
+
+    ticket: Ticket
+    mutex: Mutex
+    key: str
+    fence: int
+    mod: int
+    lease: int
+    keep_lease: int
+    ttl: int
+    unreachable: bool
+    lapsed: bool
+    key_gone: bool
+    ended: bytes | None
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    def _body(self) -> bytes: ...
+
+    def _cut_off(self) -> float: ...
+
+    def _keepalive(self) -> None: ...
+
+
+def end(self: _Held, state: str, reason: str) -> None:
+    """The token dies, after the guarded commands of its ticket (``pearing-guard exec``, each a
+    key of its own, on a lease of its --max-seconds) have ended: expiry and release wait for
+    them, as on the lock dir, with our lease kept alive meanwhile. Released (COMMAND has
+    ended): the key goes in the same txn, and the next waiter is woken one round trip after
+    COMMAND's end. Otherwise the key stays, marked ended, until ``release``: the lock is ours
+    while COMMAND is being stopped."""
+    if self.unreachable:
+        return  # stopping COMMAND must not wait on a cluster we cannot reach
+    t, g = self.ticket, self.mutex.g
+    # No guard key at all, the usual case: one txn, as without guards. Else: none of ours
+    # since the revision at which we saw the last one go.
+    guarded: dict[str, Any] | None = cmp(g, "CREATE", "EQUAL", 0, prefix=True)
+    rounds = 0
+    with contextlib.suppress(BackendUnavailable, Refused):
+        for _ in range(_END_TRIES):
+            t.end(state, reason)
+            body = self._body()
+            ops = [
+                op_put(self.mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
+                op_put(self.mutex.base + "last", str(self.fence).encode()),
+                op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease),
+            ]
+            mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
+            r = self.cluster.txn(
+                mine + ([guarded] if guarded else []),
+                ops,
+                [op_range(self.key), op_range(g, prefix=True, limit=1, keys_only=True)],
+            )
+            if r.get("succeeded"):
+                self.ended = body
+                self.key_gone = state == RELEASED
+                return
+            now = ranged(r, 0)[0]
+            cur = parse(now[0]["value"]) if now and now[0]["create_revision"] == self.fence else None
+            if cur is None or not cur.live:
+                return  # gone, or ended by its owner (release-lock-ticket): that end record stands
+            if now[0]["mod_revision"] != self.mod:
+                self.mod = now[0]["mod_revision"]  # a heartbeat came in between
+            elif guarded is not None and ranged(r, 1)[0]:
+                rounds += 1
+                at = _await_guards(self) if rounds <= _END_GUARD_ROUNDS else None
+                guarded = None if at is None else cmp(g, "CREATE", "LESS", at + 1, prefix=True)
+            else:
+                return  # not ours to end any more (the next check says why)
+
+
+def _await_guards(self: _Held) -> int | None:
+    """Until no guarded command of our ticket is in flight, our lease kept alive meanwhile;
+    the revision at which none was. None: our lease lapsed, or the cluster was out of reach
+    until the cut-off (COMMAND must be stopped now, while the lease is still ours)."""
+
+    def until() -> float:
+        return -math.inf if self.lapsed else self._cut_off()
+
+    every = min(_GUARD_KEEP_EVERY, self.ttl / 4)
+    return self.mutex.wait_guards_of(self.ticket.ticket_id, until, self._keepalive, every)
