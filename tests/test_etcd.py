@@ -1,6 +1,7 @@
 """The etcd backend against a real 3-member cluster: what only etcd has (ETCD_LOCK_KEY /
 ETCD_LOCK_REV), and the faults only a distributed lock has (dead member, dead leader,
-partition, a lease lapsing in the cluster). The behaviour both backends share is tested on
+a member dying between applying a request and answering it, partition, a lease lapsing in
+the cluster). The behaviour both backends share is tested on
 both by the other files, through the `backend` fixture."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from etcd_cluster import Cluster
+from etcd_proxy import DyingMember, puts_under
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
@@ -81,6 +83,58 @@ def test_killing_the_leader(cluster: Cluster, procs: Procs, work: Path, job: str
     assert procs.finish(run).returncode == 0
     # The lock still works on the survivors.
     assert procs.pr_run("--job", job, "--", "true").returncode == 0
+
+
+def _url_dying_first(cluster: Cluster, job: str) -> tuple[DyingMember, str]:
+    """The URL with a stand-in for its first member, which dies once it has applied a key put
+    into the lock's line: the client, not told, asks the next member the same."""
+    first, *others = cluster.members
+    dying = DyingMember(("127.0.0.1", first.client), puts_under(Mutex(Client(cluster.url), "default", job).q))
+    return dying, "etcd://" + ",".join([dying.endpoint, *(m.endpoint for m in others)])
+
+
+def test_a_waiter_keeps_its_place_when_its_member_dies_before_answering_its_join(
+    cluster: Cluster, procs: Procs, work: Path, job: str, env: dict[str, str]
+) -> None:
+    """A member killed (or restarted) right after it applied a waiter's join, before answering:
+    asked again on the next member, the join finds the waiter's key and keeps that place. It
+    used to exit 70 ('internal error ... ticket key ... already exists'), as the member restart
+    test did once in a while."""
+    gate = Gate(work)
+    holder = procs.pr("--job", job, "--", "sh", "-c", f"{gate.script()}; date +%s%N > {q(work / 'h_end')}")
+    gate.wait_ready()
+    dying, url = _url_dying_first(cluster, job)
+    try:
+        waiter_env = dict(env, **{ENV_BACKEND: url})
+        waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c",
+                          f"date +%s%N > {q(work / 'w_start')}", env=waiter_env)  # fmt: skip
+        wait_for(dying.died.is_set, 15, "the member to apply the waiter's key and die")
+    finally:
+        dying.die()
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    w = procs.finish(waiter, timeout=60)
+    assert w.returncode == 0, w
+    assert int((work / "w_start").read_text()) > int((work / "h_end").read_text())
+    assert _queued(cluster.url, job) == 0
+
+
+def test_a_run_keeps_the_free_lock_when_its_member_dies_before_answering(
+    cluster: Cluster, procs: Procs, work: Path, job: str, env: dict[str, str]
+) -> None:
+    """The same for an arrival at a free lock: asked again, its take finds its own key first in
+    line, and runs once. It used to find the lock busy with its own key (exit 75; with a wait,
+    it queued behind that key and exited 70)."""
+    dying, url = _url_dying_first(cluster, job)
+    try:
+        r = procs.pr_run("--job", job, "--", "sh", "-c", f"echo ran >> {q(work / 'log')}",
+                         env=dict(env, **{ENV_BACKEND: url}), timeout=60)  # fmt: skip
+    finally:
+        dying.die()
+    assert r.returncode == 0, r
+    assert dying.died.is_set()
+    assert (work / "log").read_text() == "ran\n"
+    assert _queued(cluster.url, job) == 0
 
 
 def test_partitioned_holder_loses_its_lease(

@@ -86,10 +86,11 @@ class Mutex:
         r = self.cluster.txn(
             [cmp(self.q, "CREATE", "EQUAL", 0, prefix=True), cmp(self.g, "CREATE", "EQUAL", 0, prefix=True)],
             [op_put(key, body, lease)],
-            [],
+            [op_range(key)],
         )
         if not r.get("succeeded"):
-            return None
+            # Asked again (see ``_join``): our key from the first time was first in line.
+            return self._own_key(ranged(r, 0)[0], t, lease)
         rev = revision(r)
         return {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
 
@@ -113,13 +114,29 @@ class Mutex:
             [cmp(key, "CREATE", "EQUAL", 0), *checks],
             # The count comes first: it sees the line as it was before our key.
             [op_range(self.q, prefix=True, count_only=True), op_put(key, body, lease)],
-            [],
+            [op_range(key)],
         )
         if not r.get("succeeded"):
-            return None
+            # A member that applied our join and died before answering (killed, restarted) makes
+            # the client ask the next one: our key is there already, and its place is ours, as
+            # mutex.go reuses its key. Only we create a key named by our ticket (a newer
+            # ``latest`` one that took it over put its own ticket in it: not ours any more).
+            mine = self._own_key(ranged(r, 0)[0], t, lease)
+            return None if mine is None else (mine, self._count_ahead(mine["create_revision"]))
         rev = revision(r)
         kv = {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
         return kv, ranged(r, 0)[1]
+
+    @staticmethod
+    def _own_key(kvs: list[dict[str, Any]], t: Ticket, lease: int) -> dict[str, Any] | None:
+        """Our key as the join we asked again put it: our ticket, on the lease we put it on."""
+        if kvs and ticket_id_of(kvs[0]["value"]) == t.ticket_id and kvs[0]["lease"] == lease:
+            return kvs[0]
+        return None
+
+    def _count_ahead(self, rev: int) -> int:
+        r = self.cluster.txn([], [op_range(self.q, prefix=True, count_only=True, max_create=rev - 1)], [])
+        return ranged(r, 0)[1]
 
     def first_now(self, kv: dict[str, Any]) -> bool:
         """Is our (existing) key first in line with no guard in flight? One txn, no write."""
