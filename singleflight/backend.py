@@ -135,13 +135,15 @@ class LockOps(Protocol):
     def close(self) -> None: ...
 
     # -- requests (pearing-run --request-uuid) ------------------------------------------
-    def claim_request(self, ticket: Ticket) -> str:
-        """CLAIM_RUN (now ours), CLAIM_DONE (succeeded within its window) or CLAIM_BUSY (in flight)."""
+    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
+        """The request's record, and what ``put_request`` compares with (an opaque version)."""
 
-    def unclaim_request(self, ticket: Ticket) -> None:
-        """We did not run after all: put back what the record said before our claim."""
+    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
+        """Write (None: remove) the request's record, only if it is still as ``seen``. An active
+        one (a claim) lives as long as ``ticket``'s run; another until its ``expires_at``."""
 
-    def read_request(self, request_uuid: str) -> RequestRecord | None: ...
+    def request_alive(self, record: RequestRecord) -> bool:
+        """Is the run that claimed this request (an active record) still waiting or holding?"""
 
     def last_success(self) -> float | None:
         """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""

@@ -34,6 +34,7 @@ from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.rules import requests
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip
@@ -88,7 +89,7 @@ class Runner:
             return 0
         claimed = False
         if o.request_uuid:
-            verdict = self.lk.claim_request(self.ticket)
+            verdict = requests.claim(self.lk, self.ticket)
             if verdict == CLAIM_DONE:
                 self.log.event("deduplicated", lock=o.job, request=o.request_uuid)
                 self._metric("deduplicated")
@@ -107,15 +108,15 @@ class Runner:
                 grip.close()
                 grip = None
                 if claimed:
-                    self.lk.unclaim_request(self.ticket)
+                    requests.unclaim(self.lk, self.ticket)
                 return 0
         except BaseException:
             if claimed:
-                self.lk.unclaim_request(self.ticket)
+                requests.unclaim(self.lk, self.ticket)
             raise
         if grip is None:
             if claimed:
-                self.lk.unclaim_request(self.ticket)
+                requests.unclaim(self.lk, self.ticket)
             self._metric("busy")
             return o.busy_exit_code
         return self._hold_and_run(grip)

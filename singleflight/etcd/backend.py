@@ -18,16 +18,13 @@ from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
-    CLAIM_BUSY,
-    CLAIM_DONE,
-    CLAIM_RUN,
     ENDED_TICKET_RETENTION,
     ENV_BACKEND,
     HELD,
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
+from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
@@ -36,7 +33,7 @@ from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
 from singleflight.core.tokens import Claim, Facts, TokenFiles, mint_token, token_hash
 from singleflight.etcd import events, records
 from singleflight.etcd import guard as recipe_guard
-from singleflight.etcd.client import Cluster, Refused, cmp, op_put, parse_url, revision
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, parse_url, revision
 from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lease import EtcdLease, margin_for
 from singleflight.etcd.lock import Mutex, ttl_of
@@ -122,46 +119,29 @@ class EtcdLock:
 
     # -- requests ------------------------------------------------------------------------
 
-    def read_request(self, request_uuid: str) -> RequestRecord | None:
-        return self.mutex.read_request_kv(request_uuid)[0]
-
     def last_success(self) -> float | None:
         return self.mutex.read_last_success()
 
-    def claim_request(self, ticket: Ticket) -> str:
-        # The ticket's lease comes first: the claim lives exactly as long as this run.
-        lease = self._lease_for(ticket)
-        uuid = ticket.request_uuid
-        while True:
-            rec, seen = self.mutex.read_request_kv(uuid)
-            if rec is not None:
-                if rec.succeeded_within(time.time()):
-                    self._drop_lease(ticket)
-                    return CLAIM_DONE
-                if rec.active:  # on a live lease, or it would be gone
-                    self._drop_lease(ticket)
-                    return CLAIM_BUSY
-            claim = RequestRecord(
-                state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time(), previous=rec
-            )
-            if self.mutex.claim_request(uuid, claim, lease, seen):
-                return CLAIM_RUN
-            # Someone changed the record between our read and write: look again.
+    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
+        return self.mutex.read_request_kv(request_uuid)
 
-    def _drop_lease(self, ticket: Ticket) -> None:
-        lease = self._leases.pop(ticket.ticket_id, None)
-        if lease:
-            self.cluster.revoke(lease)
+    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
+        """Compare-and-swap on the key's mod revision. A claim rides on the run's own lease (the
+        holder's, granted here before it joins): if the run dies, its claim goes with it, and a
+        replay may run again; while it lives, replays see it."""
+        key = self.mutex.r + ticket.request_uuid
+        check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
+        if record is None:
+            op = op_delete(key)
+        elif record.active:
+            op = op_put(key, record.to_json(), self._lease_for(ticket))
+        else:
+            keep = self.cluster.grant(ttl_of(max(1.0, (record.expires_at or 0) - time.time())))
+            op = op_put(key, record.to_json(), keep)
+        return bool(self.cluster.txn([check], [op], []).get("succeeded"))
 
-    def unclaim_request(self, ticket: Ticket) -> None:
-        uuid = ticket.request_uuid
-        with contextlib.suppress(BackendUnavailable):
-            rec, _ = self.mutex.read_request_kv(uuid)
-            if rec and rec.ticket_id == ticket.ticket_id:
-                if rec.previous is not None:
-                    self.mutex.write_request(uuid, rec.previous, max(1.0, (rec.previous.expires_at or 0) - time.time()))
-                else:
-                    self.cluster.delete(self.mutex.r + uuid)
+    def request_alive(self, record: RequestRecord) -> bool:
+        return True  # an active record rides on its run's lease: it would be gone with the run
 
     # -- acquiring -------------------------------------------------------------------------
 

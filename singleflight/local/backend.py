@@ -13,9 +13,6 @@ from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
-    CLAIM_BUSY,
-    CLAIM_DONE,
-    CLAIM_RUN,
     DEFAULT_KILL_GRACE,
     HELD,
     RELEASED,
@@ -89,50 +86,32 @@ class LocalLock:
 
     # -- requests ------------------------------------------------------------------------
 
-    def read_request(self, request_uuid: str) -> RequestRecord | None:
-        return self.store.read_request(request_uuid)
-
     def last_success(self) -> float | None:
         return self.store.read_last_success()
 
-    def claim_request(self, ticket: Ticket) -> str:
-        store, now, uuid = self.store, time.time(), ticket.request_uuid
+    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
+        rec = self.store.read_request(request_uuid)
+        return rec, rec
+
+    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
+        """Compare-and-swap under the lock's mutex: only if the record is still the one ``seen``."""
+        store, uuid = self.store, ticket.request_uuid
         with store.mutex():
-            rec = store.read_request(uuid)
-            if rec is not None:
-                if rec.succeeded_within(now):
-                    return CLAIM_DONE
-                if rec.active and self._request_alive(rec):
-                    return CLAIM_BUSY
-            store.write_request(
-                uuid,
-                RequestRecord(
-                    state=REQUEST_ACTIVE,
-                    ticket_id=ticket.ticket_id,
-                    pid=os.getpid(),
-                    start=proc.start_time(os.getpid()),
-                    created_at=now,
-                    previous=rec,
-                ),
-            )
-        return CLAIM_RUN
+            cur = store.read_request(uuid)
+            if (cur.to_json() if cur else None) != (seen.to_json() if seen else None):
+                return False
+            if record is None:
+                store.remove_request(uuid)
+            else:
+                store.write_request(uuid, record)
+        return True
 
-    def _request_alive(self, rec: RequestRecord) -> bool:
+    def request_alive(self, record: RequestRecord) -> bool:
         """Is the run that claimed this request still waiting or holding?"""
-        if rec.pid is not None and proc.alive(rec.pid, rec.start):
+        if record.pid is not None and proc.alive(record.pid, record.start):
             return True
-        t = self.store.read_ticket(rec.ticket_id) if rec.ticket_id else None
+        t = self.store.read_ticket(record.ticket_id) if record.ticket_id else None
         return t is not None and t.live and proc.alive(t.holder_pid, t.holder_start)
-
-    def unclaim_request(self, ticket: Ticket) -> None:
-        uuid = ticket.request_uuid
-        with self.store.mutex():
-            rec = self.store.read_request(uuid)
-            if rec and rec.ticket_id == ticket.ticket_id:
-                if rec.previous is not None:
-                    self.store.write_request(uuid, rec.previous)
-                else:
-                    self.store.remove_request(uuid)
 
     # -- acquiring -------------------------------------------------------------------------
 
