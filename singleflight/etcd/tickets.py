@@ -1,0 +1,227 @@
+"""A lock's tickets in the cluster, as any process sees them: read one (its state from its place
+in line), renew it, end it, stop its process, the line as it stands. Taking the lock (leases,
+tokens, joining) is ``EtcdLock``'s, which adds it."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Any
+
+from singleflight.core import proc
+from singleflight.core.const import HELD, WAITING
+from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
+from singleflight.core.fs import Dir, lock_parts
+from singleflight.core.line import Line
+from singleflight.core.reasons import EndReason
+from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.tokens import TokenFiles
+from singleflight.etcd import records
+from singleflight.etcd.client import Cluster, Refused, cmp, op_put
+from singleflight.etcd.lock import Mutex
+from singleflight.etcd.records import deadline_mono, margin_of, parse, stamp_lease
+from singleflight.etcd.watch import DeleteWatch
+
+
+class EtcdTickets:
+    def __init__(self, cluster: Cluster, lock_dir: str, repo: str, lock: str, *, must_exist: bool = False) -> None:
+        self.cluster, self.lock_dir, self.repo, self.lock = cluster, lock_dir, repo, lock
+        # Opened without ``create``: a ticket looked up in a lock with no key at all names the lock.
+        self.must_exist = must_exist
+        self.mutex = Mutex(cluster, repo, lock)
+        self._tokens: TokenFiles | None = None
+
+    def close(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+            self._tokens.root.close()
+            self._tokens = None
+
+    @property
+    def tokens(self) -> TokenFiles:
+        """This host's token files of the lock, in the local lock dir."""
+        if self._tokens is None:
+            root = Dir.open_root(self.lock_dir, create=True)
+            try:
+                d = root.walk(lock_parts(self.repo, self.lock))
+            finally:
+                root.close()
+            self._tokens = TokenFiles(self.lock_dir, d)
+        return self._tokens
+
+    def _existing(self, ticket_id: str) -> Ticket:
+        found = self.mutex.ticket(ticket_id)
+        if found is None:
+            self._lock_must_exist()
+            raise UnknownTicket(ticket_id)
+        return found[0]
+
+    def _lock_must_exist(self) -> None:
+        """After a ticket was not found: as the lock dir does, say so when its lock does not exist
+        at all. Only then, so the hot paths pay no extra read."""
+        if self.must_exist and not self.mutex.exists():
+            raise UnknownLock(self.repo, self.lock)
+
+    def read(self, ticket_id: str) -> Ticket | None:
+        found = self.mutex.ticket(ticket_id)
+        if found is None:
+            self._lock_must_exist()
+            return None
+        return found[0]
+
+    def waiting_deadline(self, ticket_id: str) -> float:
+        kv = self.mutex.find(ticket_id)
+        t = parse(kv["value"]) if kv is not None else None
+        if t is None or not t.live:
+            return 0.0
+        due = deadline_mono(t)
+        return math.inf if due is None else due
+
+    def end(
+        self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
+    ) -> Ticket | None:
+        found = self.mutex.ticket(ticket_id)
+        if found is None:
+            return None
+        t, kv = found
+        if kv is None:
+            return None
+        if not t.live or (only_if_held and t.state != HELD):
+            if release and not t.live:
+                self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
+            return None
+        self.mutex.end(t, kv, state, reason, revoke=release)
+        return t
+
+    def renew(self, ticket_id: str, seconds: float) -> Ticket:
+        """Heartbeat: the ticket's lease runs ``seconds`` from now, recorded in its key.
+
+        Its holder (or waiting agent) enforces it on its own clock. A lapsed lease is
+        never revived: refused once the recorded deadline has passed.
+        """
+        while True:
+            kv = self.mutex.find(ticket_id)
+            if kv is None:
+                raise NotHeld(ticket_id, self._existing(ticket_id).describe_end())
+            key = kv["key"]
+            t = parse(kv["value"])
+            if t is None:
+                raise UnknownTicket(ticket_id)
+            if not t.live:
+                raise NotHeld(ticket_id, t.describe_end())
+            before = deadline_mono(t)
+            if before is not None and before <= time.monotonic():
+                raise NotHeld(ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
+            stamp_lease(t, seconds)
+            body = records.value(
+                t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
+            )
+            try:
+                r = self.cluster.txn(
+                    [cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], []
+                )
+            except Refused:
+                raise NotHeld(ticket_id, EndReason.LEASE_EXPIRED) from None
+            if r.get("succeeded"):
+                break
+        if before is not None and (t.lease_deadline_mono or 0) < before and t.holder_host == os.uname().nodename:
+            # A shorter lease than before: the holder sleeps until the deadline it knows,
+            # so make it look now, or the lock would outlive the lease. (Held only: a
+            # waiting agent has no handler for it yet, and re-reads every second anyway.)
+            first = self.mutex.holder()
+            if first is not None and first["key"] == key:
+                proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
+        return self.read(ticket_id) or t  # its state and fence from its place in line
+
+    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
+        """The token dies now; the key stays until its holder (or waiter) lets go.
+
+        Deleting it here would promote the next waiter while a pearing-run COMMAND may still
+        be running (it is stopped first: TERM, the grace, KILL). Its holder sees the end at its
+        next look (at once on this host: poked), and a dead one's lease lapses by itself.
+        """
+        found = self.mutex.ticket(t.ticket_id)
+        if found is None:
+            return None
+        t, kv = found
+        if kv is None or not t.live:
+            return None
+        if t.state == WAITING and self.mutex.cancel(t, kv, reason):
+            return self.read(t.ticket_id) or t
+        stored = parse(kv["value"])
+        here = t.holder_host == os.uname().nodename
+        if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*records.owner_of(kv["value"])):
+            # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
+            # while COMMAND lives: nobody else will let go of the key.
+            self.mutex.end(t, kv, state, reason)
+            return t
+        self.mutex.end(t, kv, state, reason, revoke=False)
+        if not here:
+            self._await_gone(kv, within)
+        elif stored is not None and stored.state == HELD:
+            # Only a holder that has settled (its own pid recorded, its handler in place) is poked.
+            proc.poke_and_wait(t.holder_pid, t.holder_start, signal.SIGUSR1, within)
+        return t
+
+    def _await_gone(self, kv: dict[str, Any], within: float) -> None:
+        """A holder on another host lets go at its next look (a third of its TTL at most)."""
+        watch = DeleteWatch(self.cluster, kv["key"], kv["mod_revision"])
+        try:
+            if self.cluster.get(kv["key"]) is not None:
+                watch.wait(time.monotonic() + within)
+        finally:
+            watch.close()
+
+    def orphaned(self, t: Ticket) -> bool:
+        """On this host, its holder and the wrapper that keeps its lease while COMMAND lives are
+        both dead: nobody will let go of its key."""
+        if t.holder_host != os.uname().nodename or proc.alive(t.holder_pid, t.holder_start):
+            return False
+        kv = self.mutex.find(t.ticket_id)
+        return kv is None or not proc.alive(*records.owner_of(kv["value"]))
+
+    def position(self, t: Ticket) -> int | None:
+        kv = self.mutex.find(t.ticket_id)
+        if kv is None:
+            return None
+        keys = [k["key"] for k in self.mutex.queue(keys_only=True)[0]]
+        return (keys.index(kv["key"]) or None) if kv["key"] in keys else None
+
+    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
+        kv = self.mutex.find(ticket_id)
+        if kv is not None:
+            end = time.monotonic() + wait_seconds
+            self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end, ticket_id=ticket_id)
+
+    @staticmethod
+    def _place(t: Ticket, kv: dict[str, Any], i: int) -> None:
+        """State and fence from the ticket's place in line (the first holds)."""
+        if t.live:
+            t.state = HELD if i == 0 else WAITING
+        t.fence = kv["create_revision"] if i == 0 else None
+
+    def line(self) -> Line:
+        q, _ = self.mutex.queue()
+        entries: list[Ticket | dict[str, Any]] = []
+        for i, kv in enumerate(q):
+            t = parse(kv["value"])
+            if t is None:
+                # etcdctl lock, Go's concurrency.NewMutex: a holder or waiter of another client's.
+                left = self.cluster.ttl(kv["lease"]) if kv["lease"] else -1
+                entry = records.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None)
+                if i == 0:
+                    entry["lease_left"] = float(left) if left >= 0 else None
+                entries.append(entry)
+                continue
+            self._place(t, kv, i)
+            t.lease_deadline_mono = deadline_mono(t)
+            entries.append(t)
+        if q:
+            fence: int | None = q[0]["create_revision"]
+        else:
+            last = self.cluster.get(self.mutex.base + "last")
+            fence = int(last["value"]) if last is not None and last["value"].isdigit() else None
+        # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
+        return Line(entries, held=bool(q), fence=fence, extra={"etcd_mutex_prefix": self.mutex.prefix})
