@@ -24,7 +24,7 @@ from singleflight.core.const import (
 from singleflight.core.protocol import Taken
 from singleflight.core.ticket import RequestRecord, Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
-from singleflight.etcd import events, records
+from singleflight.etcd import events, history, records
 from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, parse_url, revision
 from singleflight.etcd.grip import EtcdGrip
@@ -91,10 +91,10 @@ class EtcdLock(EtcdTickets):
     # -- requests ------------------------------------------------------------------------
 
     def last_success(self) -> float | None:
-        return self.mutex.read_last_success()
+        return history.read_last_success(self.mutex)
 
     def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
-        return self.mutex.read_request_kv(request_uuid)
+        return history.read_request_kv(self.mutex, request_uuid)
 
     def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
         """Compare-and-swap on the key's mod revision. A claim rides on the run's own lease (the
@@ -185,7 +185,7 @@ class EtcdLock(EtcdTickets):
 
     def create(self, ticket: Ticket) -> Ticket:
         mutex = self.mutex
-        rec, _ = mutex.read_request_kv(ticket.request_uuid)
+        rec, _ = history.read_request_kv(mutex, ticket.request_uuid)
         if rec is not None and rec.ticket_id:
             return self._existing(rec.ticket_id)
         ticket.holder_host = os.uname().nodename
@@ -210,10 +210,10 @@ class EtcdLock(EtcdTickets):
         # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
         retain = self.cluster.grant(int(_REQUEST_RETENTION))
         record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
-        if not mutex.claim_request(ticket.request_uuid, record, retain, None):
+        if not history.claim_request(mutex, ticket.request_uuid, record, retain, None):
             self.cluster.revoke(lease)
             self.cluster.revoke(retain)
-            rec, _ = mutex.read_request_kv(ticket.request_uuid)
+            rec, _ = history.read_request_kv(mutex, ticket.request_uuid)
             return self._existing(rec.ticket_id if rec and rec.ticket_id else ticket.ticket_id)
         return ticket
 
@@ -243,10 +243,10 @@ class EtcdLock(EtcdTickets):
 
     def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
         record = RequestRecord.finished(ticket, status, window)
-        self.mutex.write_request(ticket.request_uuid, record, max(window, 1.0))
+        history.write_request(self.mutex, ticket.request_uuid, record, max(window, 1.0))
 
     def record_success(self, ticket: Ticket) -> None:
-        self.mutex.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
+        history.write_last_success(self.mutex, ticket.acquired_at or time.time(), ticket.ticket_id)
 
 
 class EtcdBackend:

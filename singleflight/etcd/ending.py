@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from singleflight.core.const import RELEASED
@@ -18,6 +20,7 @@ from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import parse
+from singleflight.etcd.watch import DeleteWatch
 
 # How often ``end`` tries its txn (a heartbeat or a new guarded command may come in between),
 # and how often of these it waits for guarded commands of its ticket before the token dies
@@ -110,4 +113,29 @@ def _await_guards(self: _Held) -> int | None:
         return -math.inf if self.lapsed else self._cut_off()
 
     every = min(_GUARD_KEEP_EVERY, self.ttl / 4)
-    return self.mutex.wait_guards_of(self.ticket.ticket_id, until, self._keepalive, every)
+    return wait_guards_of(self.mutex, self.ticket.ticket_id, until, self._keepalive, every)
+
+
+def wait_guards_of(
+    mutex: Mutex, ticket_id: str, until: Callable[[], float], tick: Callable[[], None], every: float
+) -> int | None:
+    """Until no guarded command of ``ticket_id`` is in flight (its ``pearing-guard exec`` keys
+    gone, revoked or lapsed): the revision at which none was; None once ``until()`` passed
+    first. ``tick()`` runs every ``every`` seconds meanwhile (the holder's keepalive)."""
+    owner = ticket_id.encode()
+    while True:
+        guards, at = mutex.cluster.range_prefix(mutex.g)
+        mine = [kv for kv in guards if kv["value"] == owner]
+        if not mine:
+            return at
+        watch = DeleteWatch(mutex.cluster, mine[0]["key"], at)
+        try:
+            while not watch.deleted:
+                end = until()
+                if time.monotonic() >= end:
+                    return None
+                if not watch.wait(min(end, time.monotonic() + every)):
+                    tick()
+                    break  # look again: it may have lapsed unseen on a dead member
+        finally:
+            watch.close()

@@ -24,6 +24,7 @@ from singleflight.etcd import ending
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.records import deadline_mono, parse, stamp_lease, value
+from singleflight.etcd.tickets import ticket_of
 from singleflight.etcd.watch import KeyWatch
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.
@@ -230,7 +231,7 @@ class EtcdLease:
             return None
         if kv is None or kv["create_revision"] != self.fence:
             with contextlib.suppress(BackendUnavailable):
-                found = self.mutex.ticket(self.ticket.ticket_id)
+                found = ticket_of(self.mutex, self.ticket.ticket_id)
                 if found is not None and found[0].state == RELEASED:
                     return Loss(EndReason.RELEASED_BY_OWNER)
             return Loss(EndReason.LEASE_EXPIRED)

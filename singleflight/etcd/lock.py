@@ -40,17 +40,13 @@ holder (or its wrapper) is alive and reaches the cluster.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
-from singleflight.core.errors import CorruptRecord
-from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import RequestRecord, Ticket
-from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.core.ticket import Ticket
+from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged, revision
 from singleflight.etcd.records import parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch, KeyWatch, wait_any
 
@@ -284,30 +280,6 @@ class Mutex:
             finally:
                 watch.close()
 
-    def wait_guards_of(
-        self, ticket_id: str, until: Callable[[], float], tick: Callable[[], None], every: float
-    ) -> int | None:
-        """Until no guarded command of ``ticket_id`` is in flight (its ``pearing-guard exec`` keys
-        gone, revoked or lapsed): the revision at which none was; None once ``until()`` passed
-        first. ``tick()`` runs every ``every`` seconds meanwhile (the holder's keepalive)."""
-        owner = ticket_id.encode()
-        while True:
-            guards, at = self.cluster.range_prefix(self.g)
-            mine = [kv for kv in guards if kv["value"] == owner]
-            if not mine:
-                return at
-            watch = DeleteWatch(self.cluster, mine[0]["key"], at)
-            try:
-                while not watch.deleted:
-                    end = until()
-                    if time.monotonic() >= end:
-                        return None
-                    if not watch.wait(min(end, time.monotonic() + every)):
-                        tick()
-                        break  # look again: it may have lapsed unseen on a dead member
-            finally:
-                watch.close()
-
     # -- the queue as it stands ------------------------------------------------------
 
     def queue(self, *, keys_only: bool = False) -> tuple[list[dict[str, Any]], int]:
@@ -323,113 +295,3 @@ class Mutex:
         """Any key of this lock at all (its queue, a ticket or end record, a request, its last fence)?"""
         r = self.cluster.txn([], [op_range(self.base, prefix=True, limit=1, keys_only=True)], [])
         return bool(ranged(r, 0)[0])
-
-    # -- tickets ---------------------------------------------------------------
-
-    def ticket(self, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
-        """The ticket as it stands now (state from the queue), and its queue key."""
-        kv = self.find(ticket_id)
-        if kv is not None:
-            t = parse(kv["value"])
-            if t is None:
-                return None  # not a ticket (``find`` returns ours only)
-            if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
-                return t, kv
-            first = self.holder()
-            held = first is not None and first["key"] == kv["key"]
-            t.state = HELD if held else WAITING
-            t.fence = kv["create_revision"] if held else None
-            return t, kv
-        ended = self.cluster.get(self.e + ticket_id)
-        if ended and (t := parse(ended["value"])) is not None:
-            return t, None
-        copy = self.cluster.get(self.t + ticket_id)
-        if copy is None or (t := parse(copy["value"])) is None:
-            return None
-        t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()  # it lapsed without an end record
-        return t, None
-
-    def end(self, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
-        """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
-        promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
-        t.end(state, reason)
-        lease = int(kv["lease"])
-        keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        body = value(t, lease)
-        ended = op_put(self.e + t.ticket_id, body, keep)
-        # Only over the very key we read: a put on a key that lapsed meanwhile would make a new one.
-        self.cluster.txn(
-            [cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"])],
-            [ended] if revoke else [ended, op_put(kv["key"], body, lease)],
-            [ended],
-        )
-        if revoke:
-            self.cluster.revoke(lease)
-
-    def cancel(self, t: Ticket, kv: dict[str, Any], reason: str) -> bool:
-        """Take a waiting ticket out of the line now, only while someone is still ahead of it:
-        one that reached the head may be starting its COMMAND. False: it is first (or gone).
-        Never a key a newer ``latest`` ticket took over meanwhile (compare-and-swap)."""
-        keep = 0
-        for _ in range(5):
-            pred, mine, _, _ = self.ahead(kv["key"], kv["create_revision"])
-            if mine is None or ticket_id_of(mine["value"]) != t.ticket_id:
-                return True  # gone from the line (superseded: its end record says so)
-            if pred is None:
-                return False
-            keep = keep or self.cluster.grant(int(ENDED_TICKET_RETENTION))
-            t.end(CANCELLED, reason)
-            r = self.cluster.txn(
-                [
-                    cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),
-                    cmp(kv["key"], "MOD", "EQUAL", mine["mod_revision"]),
-                ],
-                [op_put(self.e + t.ticket_id, value(t, int(kv["lease"])), keep), op_delete(kv["key"])],
-                [],
-            )
-            if r.get("succeeded"):
-                return True
-        return False
-
-    # -- the last successful start (--min-interval), across hosts -------------------
-
-    def read_last_success(self) -> float | None:
-        kv = self.cluster.get(self.base + "s")
-        if kv is None:
-            return None
-        try:
-            started = json.loads(kv["value"])["started_at"]
-            if isinstance(started, bool) or not isinstance(started, (int, float)):
-                raise TypeError("started_at is not a number")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptRecord(f"etcd:{self.base}s", f"not a success record: {exc}") from None
-        return float(started)
-
-    def write_last_success(self, started_at: float, ticket_id: str) -> None:
-        self.cluster.put(self.base + "s", json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode())
-
-    # -- request records ---------------------------------------------------------
-
-    def read_request_kv(self, uuid: str) -> tuple[RequestRecord | None, dict[str, Any] | None]:
-        """The request record and its kv (for a compare-and-swap on its mod revision)."""
-        kv = self.cluster.get(self.r + uuid)
-        if kv is None:
-            return None, None
-        try:
-            return RequestRecord.from_json(kv["value"]), kv
-        except (ValueError, TypeError) as exc:
-            raise CorruptRecord(f"etcd:{self.r}{uuid}", f"not a request record: {exc}") from None
-
-    def claim_request(self, uuid: str, record: RequestRecord, lease: int, seen: dict[str, Any] | None) -> bool:
-        """Write ``record`` only if the request key is still as ``seen`` (compare-and-swap).
-
-        The claim rides on the claimant's ticket lease: if the claimant dies, its claim
-        goes with it, and a replay may run again; while it lives, replays see it.
-        """
-        key = self.r + uuid
-        check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
-        return bool(self.cluster.txn([check], [op_put(key, record.to_json(), lease)], []).get("succeeded"))
-
-    def write_request(self, uuid: str, record: RequestRecord, ttl: float) -> None:
-        keep = self.cluster.grant(ttl_of(ttl))
-        self.cluster.put(self.r + uuid, record.to_json(), keep)

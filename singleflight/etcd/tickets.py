@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.const import HELD, WAITING
+from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
@@ -19,9 +19,9 @@ from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket, rfc3339
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records
-from singleflight.etcd.client import Cluster, Refused, cmp, op_put
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import deadline_mono, margin_of, parse, stamp_lease
+from singleflight.etcd.records import deadline_mono, margin_of, parse, stamp_lease, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch
 
 
@@ -52,7 +52,7 @@ class EtcdTickets:
         return self._tokens
 
     def _existing(self, ticket_id: str) -> Ticket:
-        found = self.mutex.ticket(ticket_id)
+        found = ticket_of(self.mutex, ticket_id)
         if found is None:
             self._lock_must_exist()
             raise UnknownTicket(ticket_id)
@@ -65,7 +65,7 @@ class EtcdTickets:
             raise UnknownLock(self.repo, self.lock)
 
     def read(self, ticket_id: str) -> Ticket | None:
-        found = self.mutex.ticket(ticket_id)
+        found = ticket_of(self.mutex, ticket_id)
         if found is None:
             self._lock_must_exist()
             return None
@@ -82,7 +82,7 @@ class EtcdTickets:
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
     ) -> Ticket | None:
-        found = self.mutex.ticket(ticket_id)
+        found = ticket_of(self.mutex, ticket_id)
         if found is None:
             return None
         t, kv = found
@@ -92,7 +92,7 @@ class EtcdTickets:
             if release and not t.live:
                 self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
             return None
-        self.mutex.end(t, kv, state, reason, revoke=release)
+        end_ticket(self.mutex, t, kv, state, reason, revoke=release)
         return t
 
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
@@ -142,22 +142,22 @@ class EtcdTickets:
         be running (it is stopped first: TERM, the grace, KILL). Its holder sees the end at its
         next look (at once on this host: poked), and a dead one's lease lapses by itself.
         """
-        found = self.mutex.ticket(t.ticket_id)
+        found = ticket_of(self.mutex, t.ticket_id)
         if found is None:
             return None
         t, kv = found
         if kv is None or not t.live:
             return None
-        if t.state == WAITING and self.mutex.cancel(t, kv, reason):
+        if t.state == WAITING and cancel_waiting(self.mutex, t, kv, reason):
             return self.read(t.ticket_id) or t
         stored = parse(kv["value"])
         here = t.holder_host == os.uname().nodename
         if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*records.owner_of(kv["value"])):
             # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
             # while COMMAND lives: nobody else will let go of the key.
-            self.mutex.end(t, kv, state, reason)
+            end_ticket(self.mutex, t, kv, state, reason)
             return t
-        self.mutex.end(t, kv, state, reason, revoke=False)
+        end_ticket(self.mutex, t, kv, state, reason, revoke=False)
         if not here:
             self._await_gone(kv, within)
         elif stored is not None and stored.state == HELD:
@@ -225,3 +225,71 @@ class EtcdTickets:
             fence = int(last["value"]) if last is not None and last["value"].isdigit() else None
         # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
         return Line(entries, held=bool(q), fence=fence, extra={"etcd_mutex_prefix": self.mutex.prefix})
+
+
+def ticket_of(mutex: Mutex, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
+    """The ticket as it stands now (state from the queue), and its queue key."""
+    kv = mutex.find(ticket_id)
+    if kv is not None:
+        t = parse(kv["value"])
+        if t is None:
+            return None  # not a ticket (``find`` returns ours only)
+        if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
+            return t, kv
+        first = mutex.holder()
+        held = first is not None and first["key"] == kv["key"]
+        t.state = HELD if held else WAITING
+        t.fence = kv["create_revision"] if held else None
+        return t, kv
+    ended = mutex.cluster.get(mutex.e + ticket_id)
+    if ended and (t := parse(ended["value"])) is not None:
+        return t, None
+    copy = mutex.cluster.get(mutex.t + ticket_id)
+    if copy is None or (t := parse(copy["value"])) is None:
+        return None
+    t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()  # it lapsed without an end record
+    return t, None
+
+
+def end_ticket(mutex: Mutex, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
+    """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
+    promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
+    t.end(state, reason)
+    lease = int(kv["lease"])
+    keep = mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
+    body = value(t, lease)
+    ended = op_put(mutex.e + t.ticket_id, body, keep)
+    # Only over the very key we read: a put on a key that lapsed meanwhile would make a new one.
+    mutex.cluster.txn(
+        [cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"])],
+        [ended] if revoke else [ended, op_put(kv["key"], body, lease)],
+        [ended],
+    )
+    if revoke:
+        mutex.cluster.revoke(lease)
+
+
+def cancel_waiting(mutex: Mutex, t: Ticket, kv: dict[str, Any], reason: str) -> bool:
+    """Take a waiting ticket out of the line now, only while someone is still ahead of it:
+    one that reached the head may be starting its COMMAND. False: it is first (or gone).
+    Never a key a newer ``latest`` ticket took over meanwhile (compare-and-swap)."""
+    keep = 0
+    for _ in range(5):
+        pred, mine, _, _ = mutex.ahead(kv["key"], kv["create_revision"])
+        if mine is None or ticket_id_of(mine["value"]) != t.ticket_id:
+            return True  # gone from the line (superseded: its end record says so)
+        if pred is None:
+            return False
+        keep = keep or mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
+        t.end(CANCELLED, reason)
+        r = mutex.cluster.txn(
+            [
+                cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),
+                cmp(kv["key"], "MOD", "EQUAL", mine["mod_revision"]),
+            ],
+            [op_put(mutex.e + t.ticket_id, value(t, int(kv["lease"])), keep), op_delete(kv["key"])],
+            [],
+        )
+        if r.get("succeeded"):
+            return True
+    return False

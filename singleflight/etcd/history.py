@@ -1,0 +1,56 @@
+"""What a lock remembers in the cluster beyond its line: the last successful start
+(--min-interval, across hosts) and the request records (--request-uuid / --request-key)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from singleflight.core.errors import CorruptRecord
+from singleflight.core.ticket import RequestRecord
+from singleflight.etcd.client import cmp, op_put
+from singleflight.etcd.lock import Mutex, ttl_of
+
+
+def read_last_success(mutex: Mutex) -> float | None:
+    kv = mutex.cluster.get(mutex.base + "s")
+    if kv is None:
+        return None
+    try:
+        started = json.loads(kv["value"])["started_at"]
+        if isinstance(started, bool) or not isinstance(started, (int, float)):
+            raise TypeError("started_at is not a number")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptRecord(f"etcd:{mutex.base}s", f"not a success record: {exc}") from None
+    return float(started)
+
+
+def write_last_success(mutex: Mutex, started_at: float, ticket_id: str) -> None:
+    mutex.cluster.put(mutex.base + "s", json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode())
+
+
+def read_request_kv(mutex: Mutex, uuid: str) -> tuple[RequestRecord | None, dict[str, Any] | None]:
+    """The request record and its kv (for a compare-and-swap on its mod revision)."""
+    kv = mutex.cluster.get(mutex.r + uuid)
+    if kv is None:
+        return None, None
+    try:
+        return RequestRecord.from_json(kv["value"]), kv
+    except (ValueError, TypeError) as exc:
+        raise CorruptRecord(f"etcd:{mutex.r}{uuid}", f"not a request record: {exc}") from None
+
+
+def claim_request(mutex: Mutex, uuid: str, record: RequestRecord, lease: int, seen: dict[str, Any] | None) -> bool:
+    """Write ``record`` only if the request key is still as ``seen`` (compare-and-swap).
+
+    The claim rides on the claimant's ticket lease: if the claimant dies, its claim
+    goes with it, and a replay may run again; while it lives, replays see it.
+    """
+    key = mutex.r + uuid
+    check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
+    return bool(mutex.cluster.txn([check], [op_put(key, record.to_json(), lease)], []).get("succeeded"))
+
+
+def write_request(mutex: Mutex, uuid: str, record: RequestRecord, ttl: float) -> None:
+    keep = mutex.cluster.grant(ttl_of(ttl))
+    mutex.cluster.put(mutex.r + uuid, record.to_json(), keep)
