@@ -32,7 +32,9 @@ from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import RequestRecord, Ticket, rfc3339
+from singleflight.core.record import rfc3339
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, TokenFiles, mint_token, token_hash
 from singleflight.etcd import events, records
 from singleflight.etcd import guard as recipe_guard

@@ -49,7 +49,8 @@ from typing import Any
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.records import parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch, KeyWatch, wait_any
