@@ -334,7 +334,9 @@ def expiry(tmp: Path, runs: int) -> dict[str, Any]:
 
 def many_locks(tmp: Path, count: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from singleflight.core.ticket import RequestRecord, Ticket, new_uuid4
+    from singleflight.core.record import new_uuid4
+    from singleflight.core.request import RequestRecord
+    from singleflight.core.ticket import Ticket
     from singleflight.local.store import LockDir
 
     lock_dir = tmp / "many"

@@ -43,7 +43,7 @@ from singleflight.core.errors import NotHeld, PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import new_uuid4
+from singleflight.core.record import new_uuid4
 from singleflight.core.tokens import Verdict
 
 # How long leaving the block waits for the agent to hand the lock over.

@@ -33,7 +33,8 @@ from singleflight.core.protocol import Taken
 if TYPE_CHECKING:
     from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
-    from singleflight.core.ticket import RequestRecord, Ticket
+    from singleflight.core.request import RequestRecord
+    from singleflight.core.ticket import Ticket
     from singleflight.core.tokens import Claim, Facts, TokenFiles
 
 LOCAL = "local"

@@ -19,7 +19,8 @@ from singleflight.core import names, proc, protocol
 from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
-from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.core.record import new_uuid4
+from singleflight.core.ticket import Ticket
 from singleflight.rules import tickets
 
 if TYPE_CHECKING:

@@ -33,7 +33,8 @@ from singleflight.core.const import (
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Log
 from singleflight.core.reasons import EndReason, Loss
-from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.core.record import new_uuid4
+from singleflight.core.ticket import Ticket
 from singleflight.rules import requests
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class Runner:
         last = self.lk.last_success()
         if last is None or time.time() - last >= self.o.min_interval:
             return False
-        from singleflight.core.ticket import rfc3339
+        from singleflight.core.record import rfc3339
 
         self.log.event("deduplicated", lock=self.o.job, last_success_start=rfc3339(last))
         self._metric("deduplicated")

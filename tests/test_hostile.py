@@ -42,7 +42,8 @@ from singleflight.core import fs as _fs
 from singleflight.core import proc as _proc
 from singleflight.core.const import ENV_TICKET, ENV_TOKEN_FILE, HELD, ExitCode
 from singleflight.core.errors import LockDirError, NotHeld
-from singleflight.core.ticket import Ticket, new_uuid4
+from singleflight.core.record import new_uuid4
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, token_hash
 from singleflight.local import guard, lease
 from singleflight.local.store import LockDir

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from singleflight.core import metrics
+from singleflight.core import metrics, promtext
 from singleflight.core.errors import PearingError
 from singleflight.core.metrics import MetricsError, file_name, record
 
@@ -504,11 +504,11 @@ def test_longest_pairs_fit_and_differ(mdir: Path) -> None:
 )
 def test_labels_escaped_validly(repo: str, job: str) -> None:
     # Validated names never carry these characters; the format must hold up anyway.
-    data = metrics.render({"pearing_run_busy_total": 3, "pearing_run_last_duration_seconds": 0.5}, repo, job)
+    data = promtext.render({"pearing_run_busy_total": 3, "pearing_run_last_duration_seconds": 0.5}, repo, job)
     samples = [s for f in text_string_to_metric_families(data.decode()) for s in f.samples]
     assert {s.name: s.value for s in samples}["pearing_run_busy_total"] == 3
     assert all(s.labels == {"job": job, "repo": repo} for s in samples)
-    assert metrics.parse(data, repo, job) == {
+    assert promtext.parse(data, repo, job) == {
         "pearing_run_running": 0,
         "pearing_run_runs_total": 0,
         "pearing_run_busy_total": 3,

@@ -22,7 +22,9 @@ from helpers import PEARING_CLI, PEARING_GUARD, Procs, Result, q, read_json, sto
 from singleflight.core import fs as _fs
 from singleflight.core.const import MAX_FENCE, ExitCode
 from singleflight.core.errors import CorruptRecord, NotPermitted
-from singleflight.core.ticket import RequestRecord, Ticket, new_uuid4
+from singleflight.core.record import new_uuid4
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.local.store import LockDir, LockStore
 
 IOERR = int(ExitCode.IOERR)

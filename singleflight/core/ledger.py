@@ -17,7 +17,7 @@ from singleflight.core import fault
 from singleflight.core.const import MAX_FENCE
 from singleflight.core.errors import CorruptRecord, NotPermitted, StaleFence
 from singleflight.core.fs import Dir
-from singleflight.core.ticket import loads
+from singleflight.core.record import loads
 
 
 def _trusted(d: Dir, name: str, fd: int) -> None:

@@ -25,23 +25,10 @@ mode 0644 whatever the umask, and DIR when created 0755: node_exporter runs as a
 No fsync: the write sits on the hand-over path, and the worst a power loss can do is restart
 the counters, which Prometheus handles as a counter reset.
 
-Series (labels ``job``, ``repo``; HELP and TYPE in every file, identical in all of them,
-because node_exporter refuses one metric name with two help texts)::
-
-    pearing_run_running                       gauge   1 from start to end, else 0
-    pearing_run_last_start_timestamp_seconds  gauge   absent until a run starts
-    pearing_run_last_end_timestamp_seconds    gauge   absent until a run ends
-    pearing_run_last_success_timestamp_seconds gauge  end time of the last run that exited 0
-    pearing_run_last_exit_code                gauge   pearing-run's exit status of the last run
-    pearing_run_last_duration_seconds         gauge   start to end of the last run
-    pearing_run_runs_total                    counter starts
-    pearing_run_busy_total                    counter busy skips
-    pearing_run_deduplicated_total            counter exits 0 without running COMMAND
-    pearing_run_lease_lost_total              counter runs stopped for a lost lease
-
-Counters carry on across runs by reading the previous file back. A previous file that does
-not parse or carries other labels is not ours: counters restart from 0 (metrics are best
-effort); series this version does not know are dropped.
+The series, their labels and their help texts are ``promtext``'s. Counters carry on across
+runs by reading the previous file back. A previous file that does not parse or carries other
+labels is not ours: counters restart from 0 (metrics are best effort); series this version
+does not know are dropped.
 
 What the runner calls
 ---------------------
@@ -83,10 +70,25 @@ import math
 import os
 import stat
 import time
-from typing import Final, Literal, TypeAlias, TypeGuard
+from typing import Final, Literal, TypeGuard
 
 from singleflight.core import names
 from singleflight.core.errors import BadValue, PearingError
+from singleflight.core.promtext import (
+    BUSY_TOTAL,
+    DEDUPLICATED_TOTAL,
+    LAST_DURATION,
+    LAST_END,
+    LAST_EXIT_CODE,
+    LAST_START,
+    LAST_SUCCESS,
+    LEASE_LOST_TOTAL,
+    RUNNING,
+    RUNS,
+    State,
+    parse,
+    render,
+)
 
 Event = Literal["start", "end", "busy", "deduplicated", "lease_lost"]
 START: Final = "start"
@@ -95,35 +97,6 @@ BUSY: Final = "busy"
 DEDUPLICATED: Final = "deduplicated"
 LEASE_LOST: Final = "lease_lost"
 EVENTS: Final = frozenset({START, END, BUSY, DEDUPLICATED, LEASE_LOST})
-
-RUNNING: Final = "pearing_run_running"
-LAST_START: Final = "pearing_run_last_start_timestamp_seconds"
-LAST_END: Final = "pearing_run_last_end_timestamp_seconds"
-LAST_SUCCESS: Final = "pearing_run_last_success_timestamp_seconds"
-LAST_EXIT_CODE: Final = "pearing_run_last_exit_code"
-LAST_DURATION: Final = "pearing_run_last_duration_seconds"
-RUNS: Final = "pearing_run_runs_total"
-BUSY_TOTAL: Final = "pearing_run_busy_total"
-DEDUPLICATED_TOTAL: Final = "pearing_run_deduplicated_total"
-LEASE_LOST_TOTAL: Final = "pearing_run_lease_lost_total"
-
-# Name, type, help. The help text is an interface: node_exporter refuses a metric whose help
-# differs between two files, so changing it breaks collection until every file is rewritten.
-_METRICS: Final = (
-    (RUNNING, "gauge", "1 while a run of this job is running its command, else 0."),
-    (LAST_START, "gauge", "Unix time the last run of this job started its command."),
-    (LAST_END, "gauge", "Unix time the last run of this job ended."),
-    (LAST_SUCCESS, "gauge", "Unix time the last run of this job that exited 0 ended."),
-    (LAST_EXIT_CODE, "gauge", "Exit status of the last run of this job (124: lease lost; 128+N: signal N)."),
-    (LAST_DURATION, "gauge", "Seconds the last run of this job took from start to end."),
-    (RUNS, "counter", "Runs of this job that started its command."),
-    (BUSY_TOTAL, "counter", "Invocations of this job that exited busy without running its command."),
-    (DEDUPLICATED_TOTAL, "counter", "Invocations of this job that exited 0 without running its command."),
-    (LEASE_LOST_TOTAL, "counter", "Runs of this job stopped because their lease was lost."),
-)
-_KINDS: Final = {name: kind for name, kind, _ in _METRICS}
-# Written even before the first event that sets them: rate() needs a 0 to start from.
-_ALWAYS: Final = frozenset({RUNNING, RUNS, BUSY_TOTAL, DEDUPLICATED_TOTAL, LEASE_LOST_TOTAL})
 _COUNTER_OF: Final = {START: RUNS, BUSY: BUSY_TOTAL, DEDUPLICATED: DEDUPLICATED_TOTAL, LEASE_LOST: LEASE_LOST_TOTAL}
 
 _PREFIX: Final = "pearing_"
@@ -143,11 +116,6 @@ _MAX_FILE: Final = 64 * 1024
 # alarm would meddle with the runner's signal handling, so the wait polls with backoff.
 _LOCK_WAIT: Final = 5.0
 _LOCK_POLL_MAX: Final = 0.01
-_MAX_COUNTER_DIGITS: Final = 20
-_DIGITS: Final = frozenset("0123456789")
-
-# Metric name to value; counters, running and the exit code stay ints.
-State: TypeAlias = dict[str, float]
 
 
 class MetricsError(PearingError):
@@ -168,14 +136,6 @@ def file_name(repo: str, job: str) -> str:
     digest = hashlib.sha256(f"{job}@{repo}".encode()).hexdigest()[:_HASH_HEX]
     keep = _NAME_MAX - len(_SUFFIX) - 1 - _HASH_HEX
     return f"{name[:keep]}~{digest}{_SUFFIX}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(repo: str, job: str) -> str:
-    return f'job="{_escape(job)}",repo="{_escape(repo)}"'
 
 
 def _is_seconds(value: object) -> TypeGuard[float]:
@@ -212,55 +172,6 @@ def _check(
         raise MetricsError(metrics_dir, f"bad exit code {exit_code!r}: {END!r} needs an integer 0-255")
     if not _is_seconds(duration):
         raise MetricsError(metrics_dir, f"bad duration {duration!r}: {END!r} needs seconds >= 0")
-
-
-def _parse_value(name: str, text: str) -> int | float | None:
-    if _KINDS[name] == "counter" or name in (RUNNING, LAST_EXIT_CODE):
-        if not text or len(text) > _MAX_COUNTER_DIGITS or not _DIGITS.issuperset(text):
-            return None
-        return int(text)
-    try:
-        number = float(text)
-    except ValueError:
-        return None
-    return number if math.isfinite(number) and number >= 0 else None
-
-
-def parse(data: bytes, repo: str, job: str) -> State | None:
-    """The series of a file we wrote for (repo, job); None if it is corrupt or not ours."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    want = _labels(repo, job) + "}"
-    state: State = {}
-    for line in text.split("\n"):
-        if not line or line[0] == "#":
-            continue
-        series, _, value = line.rpartition(" ")
-        name, _, labels = series.partition("{")
-        if name not in _KINDS:
-            continue
-        if labels != want:
-            return None
-        number = _parse_value(name, value)
-        if number is None:
-            return None
-        state[name] = number
-    return state
-
-
-def render(state: State, repo: str, job: str) -> bytes:
-    """The file for ``state``: HELP, TYPE and the sample of every series that has a value."""
-    labels = _labels(repo, job)
-    lines = []
-    for name, kind, help_text in _METRICS:
-        value = state.get(name, 0 if name in _ALWAYS else None)
-        if value is None:
-            continue
-        shown = repr(value) if isinstance(value, float) else str(value)
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {shown}"]
-    return ("\n".join(lines) + "\n").encode()
 
 
 def _apply(

@@ -26,7 +26,8 @@ from singleflight.core.const import (
 )
 from singleflight.core.errors import BadValue, UsageError
 from singleflight.core.fs import Dir, resolve_lock_dir
-from singleflight.core.ticket import Ticket, loads, rfc3339
+from singleflight.core.record import loads, rfc3339
+from singleflight.core.ticket import Ticket
 
 # A token file is a few hundred bytes; anything larger is not ours.
 _MAX_TOKEN_FILE = 65536

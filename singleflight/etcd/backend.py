@@ -22,7 +22,8 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
 )
 from singleflight.core.protocol import Taken
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records
 from singleflight.etcd import guard as recipe_guard

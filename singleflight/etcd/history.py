@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from singleflight.core.errors import CorruptRecord
-from singleflight.core.ticket import RequestRecord
+from singleflight.core.request import RequestRecord
 from singleflight.etcd.client import cmp, op_put
 from singleflight.etcd.lock import Mutex, ttl_of
 

@@ -14,7 +14,8 @@ from typing import Any
 from singleflight.core import proc
 from singleflight.core.const import HELD, WAITING
 from singleflight.core.errors import CorruptRecord
-from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.record import rfc3339
+from singleflight.core.ticket import Ticket
 
 
 def value(

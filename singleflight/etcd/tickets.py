@@ -16,7 +16,8 @@ from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.record import rfc3339
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put

@@ -23,7 +23,8 @@ from singleflight.core.errors import UnknownLock
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
-from singleflight.core.ticket import RequestRecord, Ticket
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, TokenFiles
 from singleflight.local import lease, queue
 from singleflight.local.place import FlockGrip, LocalPlace

@@ -15,7 +15,8 @@ from singleflight.core import fault, proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
-from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.record import rfc3339
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
 from singleflight.local.queue import WAITER_POKE
 from singleflight.local.store import LockStore

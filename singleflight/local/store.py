@@ -31,7 +31,9 @@ from singleflight.core import fault, names
 from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE
 from singleflight.core.errors import BadValue, CorruptRecord
 from singleflight.core.fs import Dir, lock_parts, parse_int_record
-from singleflight.core.ticket import RequestRecord, Ticket, loads
+from singleflight.core.record import loads
+from singleflight.core.request import RequestRecord
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 
 

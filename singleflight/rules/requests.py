@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE
 from singleflight.core.errors import BackendUnavailable
-from singleflight.core.ticket import RequestRecord
+from singleflight.core.request import RequestRecord
 
 if TYPE_CHECKING:
     from singleflight.backend import LockOps

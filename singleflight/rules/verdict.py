@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from singleflight.core.const import HELD, WAITING
 from singleflight.core.errors import BackendUnavailable, NotHeld
-from singleflight.core.ticket import Ticket, rfc3339
+from singleflight.core.record import rfc3339
+from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, Verdict, token_hash
 
 if TYPE_CHECKING:
