@@ -27,6 +27,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from singleflight.core import schemes
 from singleflight.core.errors import BadValue
 from singleflight.core.protocol import Taken
 
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
     from singleflight.core.request import RequestRecord
     from singleflight.core.ticket import Ticket
     from singleflight.core.tokens import Claim, Facts, TokenFiles
-
-LOCAL = "local"
-ETCD_SCHEME = "etcd://"
 
 
 class Grip(Protocol):
@@ -254,27 +252,22 @@ class Backend(Protocol):
 
 def backend_url(flag: str | None, env_value: str | None) -> str:
     """``--backend``, else PEARING_BACKEND, else the local lock dir; checked, never opened."""
-    url = flag if flag is not None else env_value or LOCAL
-    if url != LOCAL and not url.startswith(ETCD_SCHEME):
-        raise BadValue("backend", url, "must be local or etcd://HOST:PORT[,HOST:PORT...][/PREFIX]")
-    if url.startswith(ETCD_SCHEME):
-        from singleflight.etcd.client import parse_url
-
-        parse_url(url)
+    url = flag if flag is not None else env_value or schemes.DEFAULT.prefix
+    scheme = schemes.scheme_of(url)
+    if scheme is None:
+        raise BadValue("backend", url, f"must be {schemes.forms()}")
+    scheme.validate(url)
     return url
 
 
 def open_backend(url: str | None, lock_dir: str, *, create: bool = True) -> Backend:
-    """The backend ``url`` names (``local`` or None: the lock dir; ``etcd://...``: a cluster).
+    """The backend ``url`` names (None: the lock dir), from the one table of schemes.
 
-    The lock dir is used by both: on etcd it keeps this host's token files.
-    Without ``create``, a missing lock dir is an error (LockDirError), not made.
+    The lock dir is used by every backend: it keeps this host's token files. Without
+    ``create``, a missing lock dir is an error (LockDirError), not made.
     """
     url = backend_url(url, None)
-    if url == LOCAL:
-        from singleflight.local.backend import LocalBackend
-
-        return LocalBackend(lock_dir, create=create)
-    from singleflight.etcd.backend import EtcdBackend
-
-    return EtcdBackend(url, lock_dir)
+    scheme = schemes.scheme_of(url)
+    assert scheme is not None
+    backend: Backend = scheme.backend_class()(url, lock_dir, create=create)
+    return backend

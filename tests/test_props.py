@@ -305,7 +305,7 @@ class TicketLifecycle(RuleBasedStateMachine):
         super().__init__()
         self.top = tempfile.mkdtemp(prefix="props-sm-")
         self.lock_dir = Path(self.top) / "lockdir"
-        self.b = LocalBackend(str(self.lock_dir))
+        self.b = LocalBackend("local", str(self.lock_dir))
         self.holder: Tk | None = None
         self.waiters: list[Tk] = []
         self.ended: dict[str, tuple[Tk, str]] = {}

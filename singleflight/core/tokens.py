@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from singleflight.core import names
+from singleflight.core import names, schemes
 from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
@@ -190,7 +190,7 @@ def read_claim(token_file: str | None, env: Mapping[str, str]) -> Claim | Verdic
                 raise ValueError("too large")
             obj = loads(data)
             backend = obj.get("backend")
-            if backend and (not isinstance(backend, str) or not backend.startswith(("etcd://", "local"))):
+            if backend and (not isinstance(backend, str) or schemes.scheme_of(backend) is None):
                 raise ValueError("backend is not a backend url")
             lock_dir = obj.get("lock_dir")
             if lock_dir is not None and (

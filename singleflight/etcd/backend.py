@@ -251,7 +251,7 @@ class EtcdLock(EtcdTickets):
 
 
 class EtcdBackend:
-    def __init__(self, url: str, lock_dir: str) -> None:
+    def __init__(self, url: str, lock_dir: str, *, create: bool = True) -> None:
         parse_url(url)
         self.url, self.lock_dir = url, lock_dir
         self.cluster = Cluster(url)

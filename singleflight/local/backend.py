@@ -306,10 +306,8 @@ def _poll(done: Callable[[], bool], timeout: float) -> None:
 
 
 class LocalBackend:
-    url = "local"
-
-    def __init__(self, lock_dir: str, *, create: bool = True) -> None:
-        self.lock_dir = lock_dir
+    def __init__(self, url: str, lock_dir: str, *, create: bool = True) -> None:
+        self.url, self.lock_dir = url, lock_dir
         self.dir = LockDir(lock_dir, create=create)
 
     def close(self) -> None:

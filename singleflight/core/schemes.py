@@ -1,0 +1,59 @@
+"""The backends, named once: a URL's scheme, the module and class that implement it, and the
+function that checks such a URL without opening it. ``backend.open_backend`` opens them from
+this table and ``tokens`` accepts a token file's backend only if it is in it; adding a
+backend is its own package and one line here.
+
+Modules are named, not imported: a pearing-run on the lock dir never loads etcd's client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+
+class Scheme:
+    __slots__ = ("check", "form", "module", "name", "prefix")
+
+    def __init__(self, name: str, prefix: str, module: str, *, form: str, check: str | None = None) -> None:
+        self.name, self.prefix, self.module, self.form, self.check = name, prefix, module, form, check
+
+    def matches(self, url: str) -> bool:
+        return url == self.prefix if not self.prefix.endswith("://") else url.startswith(self.prefix)
+
+    def backend_class(self) -> Any:
+        """The class implementing this backend (``module:Class``)."""
+        import importlib
+
+        module, _, cls = self.module.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def validate(self, url: str) -> None:
+        """Check ``url`` as this backend reads it (BadValue), opening nothing."""
+        if self.check is not None:
+            import importlib
+
+            module, _, fn = self.check.partition(":")
+            getattr(importlib.import_module(module), fn)(url)
+
+
+# name          URL                 implementation                                checked by
+SCHEMES: Final = (
+    Scheme("local", "local", "singleflight.local.backend:LocalBackend", form="local"),
+    Scheme(
+        "etcd",
+        "etcd://",
+        "singleflight.etcd.backend:EtcdBackend",
+        form="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+        check="singleflight.etcd.client:parse_url",
+    ),
+)
+DEFAULT: Final = SCHEMES[0]
+
+
+def scheme_of(url: str) -> Scheme | None:
+    return next((s for s in SCHEMES if s.matches(url)), None)
+
+
+def forms() -> str:
+    """Every backend URL's form, for the one line that refuses another."""
+    return " or ".join(s.form for s in SCHEMES)
