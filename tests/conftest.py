@@ -11,6 +11,7 @@ import pytest
 from caps import Caps, caps_of
 from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
+from hostile_peer import HostilePeer
 
 from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ENV_LOCK_DIR
 
@@ -148,3 +149,13 @@ def caps(backend: str) -> Caps:
     """What the current ``backend`` can do: a test that expects something different on one
     backend asks for the property (tests/caps.py), never for the backend's name."""
     return caps_of(backend)
+
+
+@pytest.fixture
+def peer() -> Iterator[HostilePeer]:
+    """A hostile HTTP peer on loopback (``hostile_peer``), stopped at teardown."""
+    p = HostilePeer()
+    try:
+        yield p
+    finally:
+        p.stop()

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from etcd_cluster import Cluster as EtcdCluster
@@ -29,15 +28,6 @@ NOT_ETCD = [k for k in KINDS if k != "drip"]
 # Each drip-fed request costs one request timeout (2 s for the front ends), and a command
 # makes only a few before it fails over for good: this is many times what it needs.
 BOUND = 15.0
-
-
-@pytest.fixture
-def peer() -> Iterator[HostilePeer]:
-    p = HostilePeer()
-    try:
-        yield p
-    finally:
-        p.stop()
 
 
 def tenant() -> str:

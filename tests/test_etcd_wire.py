@@ -122,15 +122,6 @@ def test_no_member_is_an_os_error() -> None:
 # -- a hostile peer: a deadline on the whole exchange ------------------------------------------
 
 
-@pytest.fixture
-def peer() -> Iterator[HostilePeer]:
-    p = HostilePeer()
-    try:
-        yield p
-    finally:
-        p.stop()
-
-
 def in_thread(fn: Callable[[], object], bound: float) -> tuple[object, float]:
     """(what ``fn`` returned or raised, seconds it took); fails the test past ``bound`` seconds.
     A thread, so that the test fails instead of hanging on the code it tests."""
