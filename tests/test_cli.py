@@ -289,7 +289,9 @@ def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: P
     from singleflight import ops
     from singleflight.backend import open_backend
 
-    acq = _acquire(work_procs, lease="2", wait="0")
+    # 4 s: under a load of 8 on 2 cores acquire-lock took 3.9 s, and a 2 s lease had run out
+    # before the call could print it held.
+    acq = _acquire(work_procs, lease="4", wait="0")
     assert acq.returncode == 0, acq
     tid = acq.json["ticket_id"]
     held: list[object] = []
