@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from etcd_cluster import Cluster
-from etcd_proxy import DyingMember, puts_under
+from etcd_proxy import DyingMember, dying_first, puts_under
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
@@ -88,9 +88,7 @@ def test_killing_the_leader(cluster: Cluster, procs: Procs, work: Path, job: str
 def _url_dying_first(cluster: Cluster, job: str) -> tuple[DyingMember, str]:
     """The URL with a stand-in for its first member, which dies once it has applied a key put
     into the lock's line: the client, not told, asks the next member the same."""
-    first, *others = cluster.members
-    dying = DyingMember(("127.0.0.1", first.client), puts_under(Mutex(Client(cluster.url), "default", job).q))
-    return dying, "etcd://" + ",".join([dying.endpoint, *(m.endpoint for m in others)])
+    return dying_first([m.endpoint for m in cluster.members], puts_under(Mutex(Client(cluster.url), "default", job).q))
 
 
 def test_a_waiter_keeps_its_place_when_its_member_dies_before_answering_its_join(
