@@ -307,6 +307,13 @@ def op_delete(key: str) -> dict[str, Any]:
     return {"request_delete_range": {"key": b64(key)}}
 
 
+def op_txn(
+    compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A txn nested in a txn's branch (etcd >= 3.3): a third outcome in one round trip."""
+    return {"request_txn": {"compare": compare, "success": success, "failure": failure}}
+
+
 def op_range(
     key: str,
     *,
@@ -338,6 +345,12 @@ def ranged(r: dict[str, Any], i: int) -> tuple[list[dict[str, Any]], int]:
     """The kvs and count of the ``i``-th response of a txn (a range)."""
     rr = r.get("responses", [])[i].get("response_range", {})
     return [_kv(kv) for kv in rr.get("kvs", [])], int(rr.get("count", 0) or 0)
+
+
+def nested(r: dict[str, Any], i: int) -> dict[str, Any]:
+    """The answer of the ``i``-th op of a txn, a nested txn."""
+    out: dict[str, Any] = r.get("responses", [])[i].get("response_txn", {})
+    return out
 
 
 def revision(r: dict[str, Any]) -> int:
