@@ -199,6 +199,20 @@ class Cluster:
                 conn.close()
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """etcd's answer to ``body`` at ``path``, from the first member that gives one.
+
+        Every write must be safe to send twice. A member that fails after it applied a
+        request (killed, restarted, cut off between its apply and its answer) cannot say so:
+        the client sees a connection that broke before any answer, exactly as for a member
+        that never got the request, and sends the same request to the next member (and, on
+        a kept-alive connection, to the same member once more: ``Conn.request``). etcd has
+        no request ids to drop a duplicate, so each write settles it itself: a put of the
+        same value is the same record; a compare-and-swap that fails reads what is there and
+        knows its own write (our ticket on our lease in the key we joined: ``Mutex._join``;
+        the victim we superseded: ``events._take_over``; our own claim: ``claim_request``,
+        ``rules.requests.claim``); a grant sent twice leaves a lease nobody uses, which
+        lapses at its TTL; a revoke or delete of what is gone already does nothing.
+        """
         payload = json.dumps(body).encode()
         errors = []
         for i in range(len(self.endpoints)):
