@@ -22,16 +22,26 @@ Verdict = Callable[[str, bytes, bytes], bool]
 
 
 def puts_under(prefix: str) -> Verdict:
-    """A txn that succeeded and put a key starting with ``prefix``."""
+    """A txn that succeeded and put a key starting with ``prefix`` (in either branch of a txn
+    nested in it: a nested txn's puts are one of its branches)."""
 
     def hit(path: str, body: bytes, answer: bytes) -> bool:
         if not path.endswith("/kv/txn") or not json.loads(answer).get("succeeded"):
             return False
-        ops: list[dict[str, Any]] = json.loads(body).get("success", [])
-        puts = [op["request_put"] for op in ops if "request_put" in op]
-        return any(base64.b64decode(p["key"]).decode().startswith(prefix) for p in puts)
+        return any(key.startswith(prefix) for key in _put_keys(json.loads(body).get("success", [])))
 
     return hit
+
+
+def _put_keys(ops: list[dict[str, Any]]) -> list[str]:
+    keys = []
+    for op in ops:
+        if "request_put" in op:
+            keys.append(base64.b64decode(op["request_put"]["key"]).decode())
+        elif "request_txn" in op:
+            nested = op["request_txn"]
+            keys += _put_keys(nested.get("success", []) + nested.get("failure", []))
+    return keys
 
 
 class DyingMember:
@@ -79,6 +89,14 @@ class DyingMember:
             return
         finally:
             up.close()
+
+
+def dying_first(members: list[str], die_after: Verdict) -> tuple[DyingMember, str]:
+    """An etcd URL of the ``members`` (HOST:PORT) whose first is a stand-in for it that dies once
+    it has applied a request ``die_after`` names: the client, not told, asks the next member the same."""
+    host, _, port = members[0].rpartition(":")
+    dying = DyingMember((host, int(port)), die_after)
+    return dying, "etcd://" + ",".join([dying.endpoint, *members[1:]])
 
 
 def _read_request(conn: socket.socket) -> tuple[str, bytes, bytes] | None:

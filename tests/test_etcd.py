@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from etcd_cluster import Cluster
-from etcd_proxy import DyingMember, puts_under
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+from etcd_proxy import DyingMember, dying_first, puts_under
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, Result, q, ticket_ids, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -88,9 +88,7 @@ def test_killing_the_leader(cluster: Cluster, procs: Procs, work: Path, job: str
 def _url_dying_first(cluster: Cluster, job: str) -> tuple[DyingMember, str]:
     """The URL with a stand-in for its first member, which dies once it has applied a key put
     into the lock's line: the client, not told, asks the next member the same."""
-    first, *others = cluster.members
-    dying = DyingMember(("127.0.0.1", first.client), puts_under(Mutex(Client(cluster.url), "default", job).q))
-    return dying, "etcd://" + ",".join([dying.endpoint, *(m.endpoint for m in others)])
+    return dying_first([m.endpoint for m in cluster.members], puts_under(Mutex(Client(cluster.url), "default", job).q))
 
 
 def test_a_waiter_keeps_its_place_when_its_member_dies_before_answering_its_join(
@@ -135,6 +133,60 @@ def test_a_run_keeps_the_free_lock_when_its_member_dies_before_answering(
     assert dying.died.is_set()
     assert (work / "log").read_text() == "ran\n"
     assert _queued(cluster.url, job) == 0
+
+
+def _acquire_dying(cluster: Cluster, procs: Procs, env: dict[str, str], job: str, sub: str) -> tuple[Result, str]:
+    """``pearing-cli acquire-lock`` through a first member that dies once it has applied a txn
+    putting a key under the lock's ``sub`` ("t/": the ticket's creation, "r/": its request
+    claim): the CLI's result, and the request uuid."""
+    mutex = Mutex(Client(cluster.url), "default", job)
+    dying, url = dying_first([m.endpoint for m in cluster.members], puts_under(mutex.base + sub))
+    request = str(uuid.uuid4())
+    try:
+        argv = [PEARING_CLI, "acquire-lock", job, "--request-uuid", request, "--wait-seconds", "0"]
+        r = procs.run(argv, env=dict(env, **{ENV_BACKEND: url}), timeout=60)
+    finally:
+        dying.die()
+    assert dying.died.is_set()
+    return r, request
+
+
+def _release(procs: Procs, job: str, ticket_id: str) -> None:
+    assert procs.run([PEARING_CLI, "release-lock-ticket", job, ticket_id]).returncode == 0
+
+
+def test_a_ticket_created_again_at_a_free_lock_is_one_ticket_not_promoted(
+    cluster: Cluster, procs: Procs, job: str, env: dict[str, str]
+) -> None:
+    """acquire-lock at a free lock, its ticket's creation applied by a member that died before
+    answering, and sent again: the compare "nobody in line" fails on the ticket's own key. It
+    used to take the other branch and put the ticket back as promoted (waited behind another
+    holder, when nobody held the lock); now it keeps what the first attempt wrote."""
+    r, _ = _acquire_dying(cluster, procs, env, job, "t/")
+    assert r.returncode == 0, r
+    t = json.loads(r.stdout)
+    assert (t["state"], t["promoted"]) == ("held", False), t
+    assert ticket_ids(env, procs.lock_dir, job) == {t["ticket_id"]}
+    assert _queued(cluster.url, job) == 1
+    _release(procs, job, t["ticket_id"])
+
+
+def test_a_request_claimed_again_by_acquire_lock_is_its_own_claim(
+    cluster: Cluster, procs: Procs, job: str, env: dict[str, str]
+) -> None:
+    """acquire-lock's claim of its request uuid applied by a member that died before answering,
+    and sent again: the claim fails on the record it wrote itself. It used to take that for
+    another acquisition's claim and withdraw its own ticket (revoked its lease: the key gone)
+    for "the winner's", itself; now the claim is its own and the ticket is held."""
+    r, request = _acquire_dying(cluster, procs, env, job, "r/")
+    assert r.returncode == 0, r
+    t = json.loads(r.stdout)
+    assert (t["state"], t["promoted"], t["request_uuid"]) == ("held", False, request), t
+    assert ticket_ids(env, procs.lock_dir, job) == {t["ticket_id"]}
+    assert _queued(cluster.url, job) == 1
+    again = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", request, "--wait-seconds", "0"])
+    assert again.returncode == 0 and json.loads(again.stdout)["ticket_id"] == t["ticket_id"], again
+    _release(procs, job, t["ticket_id"])
 
 
 def test_partitioned_holder_loses_its_lease(

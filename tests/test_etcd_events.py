@@ -12,9 +12,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from etcd_cluster import Cluster
+from etcd_proxy import dying_first, puts_under
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for
 
-from singleflight.core.const import ExitCode
+from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.client import cmp, op_put
 from singleflight.etcd.lock import WAIT_TTL, Mutex
@@ -109,6 +111,44 @@ def test_the_run_that_took_a_place_holds_with_that_keys_revision(
     assert int(fence) > int((work / "h.fence").read_text())
     assert ticket != carried(taken)
     assert get_ticket(procs, job, ticket)["state"] == "released"
+
+
+def test_a_takeover_sent_again_leaves_one_key_for_the_newcomer(
+    procs: Procs, work: Path, job: str, on_etcd: str, etcd: Cluster
+) -> None:
+    """A member that applied a `latest` arrival's takeover and died before answering makes the
+    client send it to the next member, where its compares fail on its own writes. The takeover
+    finds it was done and keeps that key. It used to look again, find nobody left to supersede
+    and join a second key of its own behind the first: one ticket twice in line, waiting behind
+    itself until its wait ran out."""
+    gate = Gate(work)
+    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    l1 = procs.pr("-v", "--job", job, "--queue", "latest", "--wait-seconds", "120", "--", "true")
+    wait_for(lambda: len(line(on_etcd, job)) == 2, 15, "L1 in line")
+    taken = line(on_etcd, job)[1]
+    # The takeover is the one txn that names a key by alias (a/NEW).
+    dying, url = dying_first([m.endpoint for m in etcd.members], puts_under(Mutex(Client(on_etcd), "default", job).a))
+    log = work / "l2.err"
+    try:
+        with log.open("wb") as err:
+            l2 = procs.pr("-v", "--job", job, "--queue", "latest", "--wait-seconds", "120", "--",
+                          "touch", str(work / "l2"), env=dict(procs.env, **{ENV_BACKEND: url}), stderr=err)  # fmt: skip
+        wait_for(dying.died.is_set, 15, "the member to apply the takeover and die")
+        wait_for(lambda: "pearing-run: waiting " in log.read_text(), 15, "L2 in line")
+    finally:
+        dying.die()
+    r1 = procs.finish(l1, timeout=30)
+    assert r1.returncode == ExitCode.BUSY, r1
+    l2_id = superseded_by(r1.err_lines, job)
+    after = line(on_etcd, job)
+    assert [(kv["key"], carried(kv)) for kv in after[1:]] == [(taken["key"], l2_id)], after
+    assert [w["ticket_id"] for w in lock_status(procs, job)["waiters"]] == [l2_id]
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.finish(l2, timeout=60).returncode == 0
+    assert (work / "l2").exists()
+    assert line(on_etcd, job) == []
 
 
 def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(

@@ -1,5 +1,6 @@
 """The etcd client's HTTP/1.1 (``singleflight.etcd.wire``) against answers cut at every byte,
-a real loopback server that closes a kept-alive connection while it is idle, and a peer that
+a real loopback server that closes a kept-alive connection while it is idle (the client asks
+again on a fresh one, and never on the closed one), and a peer that
 drips its answer; and the client's decoder (``client.decode``) against answers not etcd's."""
 
 from __future__ import annotations
@@ -109,6 +110,54 @@ def test_a_connection_closed_while_idle_is_opened_again(server: OneShotServer) -
     finally:
         conn.close()
     assert server.requests == 3
+
+
+class EndingServer:
+    """Answers each connection's first request, then ends its side of it (a member closing an
+    idle connection) and keeps reading: what arrives after that, the member never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.answered, self.unanswered = 0, 0
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while not data.endswith(b"{}"):
+                    data += conn.recv(4096)
+                self.answered += 1
+                conn.sendall(SIZED)
+                conn.shutdown(socket.SHUT_WR)
+                self.ended.set()
+                if conn.recv(4096):
+                    self.unanswered += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_connection_closed_while_idle_is_not_asked_again() -> None:
+    """The request goes out on a fresh connection, never onto the one the member closed: there a
+    member may read it and still not answer, and the client could not tell whether it was applied."""
+    server = EndingServer()
+    conn = Conn("127.0.0.1", server.port, 2.0)
+    try:
+        assert conn.request("/v3/kv/range", b"{}") == (200, b'{"a": "b"}\n')
+        assert server.ended.wait(5)
+        assert conn.sock is not None and select.select([conn.sock], [], [], 5)[0]  # its end has arrived
+        assert conn.request("/v3/kv/range", b"{}") == (200, b'{"a": "b"}\n')
+    finally:
+        conn.close()
+        server.close()
+    assert (server.answered, server.unanswered) == (2, 0)
 
 
 def test_no_member_is_an_os_error() -> None:

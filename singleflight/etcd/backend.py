@@ -27,7 +27,18 @@ from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records
 from singleflight.etcd import guard as recipe_guard
-from singleflight.etcd.client import Cluster, cmp, op_delete, op_put, parse_url, revision
+from singleflight.etcd.client import (
+    Cluster,
+    cmp,
+    nested,
+    op_delete,
+    op_put,
+    op_range,
+    op_txn,
+    parse_url,
+    ranged,
+    revision,
+)
 from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lease import EtcdLease, margin_for
 from singleflight.etcd.lock import Mutex, ttl_of
@@ -197,16 +208,23 @@ class EtcdLock(EtcdTickets):
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         # Created behind a holder, waiter or guard, it waits behind another holder (promoted),
         # even if that one is gone before the agent gets going.
-        key, copy, bodies = mutex.q + ticket.ticket_id, mutex.t + ticket.ticket_id, []
+        key, copy, puts = mutex.q + ticket.ticket_id, mutex.t + ticket.ticket_id, []
         for promoted in (False, True):
             ticket.promoted = promoted
-            bodies.append(records.value(ticket, lease))
-        r = self.cluster.txn(
-            [cmp(mutex.q, "CREATE", "EQUAL", 0, prefix=True), cmp(mutex.g, "CREATE", "EQUAL", 0, prefix=True)],
-            [op_put(key, bodies[0], lease), op_put(copy, bodies[0], keep)],
-            [op_put(key, bodies[1], lease), op_put(copy, bodies[1], keep)],
-        )
-        ticket.promoted = not r.get("succeeded")
+            body = records.value(ticket, lease)
+            puts.append([op_put(key, body, lease), op_put(copy, body, keep)])
+        free = [cmp(mutex.q, "CREATE", "EQUAL", 0, prefix=True), cmp(mutex.g, "CREATE", "EQUAL", 0, prefix=True)]
+        # Only if our key is not there yet: sent again to the next member after the first applied
+        # it (``Cluster.post``), the line is not free any more, but because of our own key.
+        r = self.cluster.txn([cmp(key, "CREATE", "EQUAL", 0)], [op_txn(free, *puts)], [op_range(key)])
+        if r.get("succeeded"):
+            ticket.promoted = not nested(r, 0).get("succeeded")
+        else:
+            # What our first attempt wrote says; only we name a key by our ticket (a newer
+            # `latest` one that took it over since found it behind someone: promoted).
+            kvs = ranged(r, 0)[0]
+            found = parse(kvs[0]["value"]) if kvs else None
+            ticket.promoted = found.promoted if found is not None and found.ticket_id == ticket.ticket_id else True
         # Only one acquisition per uuid, even when two arrive at once: the uuid record is
         # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
         retain = self.cluster.grant(int(_REQUEST_RETENTION))

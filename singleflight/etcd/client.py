@@ -27,6 +27,7 @@ API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round 
 
 DEFAULT_PREFIX = "pearing"
 _URL_RULE = "must be etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"
+_PREFIX_RULE = "PREFIX is one name of [A-Za-z0-9._-], no '/' (a nested PREFIX shares keys with another tenant's scopes)"
 _PREFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
@@ -35,15 +36,18 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
 
     The prefix is the tenant: every key of every command lives under ``/PREFIX/``
     (default ``pearing``), so two teams or environments can share one cluster.
-    It follows the scope rule: segments of [A-Za-z0-9._-], none empty, '.' or '..'.
+    It is one name of [A-Za-z0-9._-], not '.' or '..': without a '/', so that the first
+    segment of a key is its tenant and the rest up to ``/@LOCK`` its scope. A nested
+    ``acme/prod`` with scope ``web`` was tenant ``acme``'s scope ``prod/web``: the same keys,
+    the same lock (issue 22, item 11). Such a URL is refused, never read another way: a
+    pearing that found other keys for it would start a second line beside the old one.
     """
     if not url.startswith("etcd://"):
         raise BadValue("backend", url, _URL_RULE)
     hosts, _, prefix = url[len("etcd://") :].partition("/")
     prefix = prefix or DEFAULT_PREFIX  # none, or a trailing slash alone: the default tenant
-    segments = prefix.split("/")
-    if len(prefix) > 200 or any(not seg or seg in (".", "..") or not set(seg) <= _PREFIX_CHARS for seg in segments):
-        raise BadValue("backend", url, f"{_URL_RULE}; PREFIX is segments of [A-Za-z0-9._-] joined by '/'")
+    if len(prefix) > 200 or prefix in (".", "..") or not set(prefix) <= _PREFIX_CHARS:
+        raise BadValue("backend", url, f"{_URL_RULE}; {_PREFIX_RULE}")
     out = []
     for part in hosts.split(","):
         host, _, port = part.rpartition(":")
@@ -195,6 +199,20 @@ class Cluster:
                 conn.close()
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """etcd's answer to ``body`` at ``path``, from the first member that gives one.
+
+        Every write must be safe to send twice. A member that fails after it applied a
+        request (killed, restarted, cut off between its apply and its answer) cannot say so:
+        the client sees a connection that broke before any answer, exactly as for a member
+        that never got the request, and sends the same request to the next member (and, on
+        a kept-alive connection, to the same member once more: ``Conn.request``). etcd has
+        no request ids to drop a duplicate, so each write settles it itself: a put of the
+        same value is the same record; a compare-and-swap that fails reads what is there and
+        knows its own write (our ticket on our lease in the key we joined: ``Mutex._join``;
+        the victim we superseded: ``events._take_over``; our own claim: ``claim_request``,
+        ``rules.requests.claim``); a grant sent twice leaves a lease nobody uses, which
+        lapses at its TTL; a revoke or delete of what is gone already does nothing.
+        """
         payload = json.dumps(body).encode()
         errors = []
         for i in range(len(self.endpoints)):
@@ -303,6 +321,13 @@ def op_delete(key: str) -> dict[str, Any]:
     return {"request_delete_range": {"key": b64(key)}}
 
 
+def op_txn(
+    compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A txn nested in a txn's branch (etcd >= 3.3): a third outcome in one round trip."""
+    return {"request_txn": {"compare": compare, "success": success, "failure": failure}}
+
+
 def op_range(
     key: str,
     *,
@@ -334,6 +359,12 @@ def ranged(r: dict[str, Any], i: int) -> tuple[list[dict[str, Any]], int]:
     """The kvs and count of the ``i``-th response of a txn (a range)."""
     rr = r.get("responses", [])[i].get("response_range", {})
     return [_kv(kv) for kv in rr.get("kvs", [])], int(rr.get("count", 0) or 0)
+
+
+def nested(r: dict[str, Any], i: int) -> dict[str, Any]:
+    """The answer of the ``i``-th op of a txn, a nested txn."""
+    out: dict[str, Any] = r.get("responses", [])[i].get("response_txn", {})
+    return out
 
 
 def revision(r: dict[str, Any]) -> int:

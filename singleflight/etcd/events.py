@@ -25,7 +25,7 @@ from singleflight.core.const import DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, 
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import margin_of, owner_of, parse, value
+from singleflight.etcd.records import margin_of, owner_of, parse, ticket_id_of, value
 
 
 def join_latest(
@@ -84,9 +84,10 @@ def _take_over(
     alias_lease: int,
     own: dict[str, Any] | None,
     keep: int,
-) -> tuple[dict[str, Any], int] | None:
+) -> tuple[dict[str, Any] | None, int] | None:
     """One transaction: the earliest place among the victims' keys (and our own) becomes ours.
-    None when the line changed under us (a heartbeat, a promotion): look again."""
+    None when the line changed under us (a heartbeat, a promotion): look again. Our kv is None
+    when our takeover was done already and we are gone since (``_taken_already``)."""
     first_i, target = victims[0]
     pred = line[first_i - 1]
     if own is not None and own["create_revision"] < target["create_revision"]:
@@ -102,23 +103,40 @@ def _take_over(
         op_range(mutex.q, prefix=True, count_only=True, max_create=target["create_revision"] - 1),
         op_put(target["key"], body, lease),  # a put keeps the create revision: the place in line
     ]
-    now = time.time()
+    now, ends = time.time(), []
     for _, kv in victims:
         old = parse(kv["value"])
         assert old is not None
         old.supersede(me.ticket_id, now)
-        ops += [op_put(mutex.e + old.ticket_id, value(old, kv["lease"]), keep), op_delete(mutex.a + old.ticket_id)]
+        ends.append(mutex.e + old.ticket_id)
+        ops += [op_put(ends[-1], value(old, kv["lease"]), keep), op_delete(mutex.a + old.ticket_id)]
         if kv["key"] != target["key"]:
             ops.append(op_delete(kv["key"]))
     if own is not None and own["key"] != target["key"]:
         ops.append(op_delete(own["key"]))
     if target["key"] != mutex.q + me.ticket_id:
         ops.append(op_put(mutex.a + me.ticket_id, target["key"].encode(), alias_lease))
-    r = mutex.cluster.txn(checks, ops, [])
+    r = mutex.cluster.txn(checks, ops, [op_range(target["key"]), op_range(ends[0])])
     if not r.get("succeeded"):
-        return None
+        return _taken_already(mutex, me, lease, r)
     kv = dict(target, value=body, mod_revision=revision(r), lease=lease)
     return kv, ranged(r, 0)[1]
+
+
+def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> tuple[dict[str, Any] | None, int] | None:
+    """Our takeover, if the txn that failed had been applied already: a member that applied it
+    and died before answering makes the client send it to the next one (``Cluster.post``),
+    whose compares then fail on our own writes. Looking again would find no older ``latest``
+    waiter and join a second key for us behind the one we took over. Only our takeover ends
+    the first victim as superseded by us; then our key is the target while it carries our
+    ticket on our lease (else: superseded or cancelled since, and gone). None: look again."""
+    (now, _), (ended, _) = ranged(r, 0), ranged(r, 1)
+    victim = parse(ended[0]["value"]) if ended else None
+    if victim is None or victim.superseded_by != me.ticket_id:
+        return None
+    if now and ticket_id_of(now[0]["value"]) == me.ticket_id and now[0]["lease"] == lease:
+        return now[0], mutex.count_ahead(now[0]["create_revision"])
+    return None, 0
 
 
 def request_cancel(mutex: Mutex, ticket: Ticket) -> float | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.request import RequestRecord
-from singleflight.etcd.client import cmp, op_put
+from singleflight.etcd.client import cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex, ttl_of
 
 
@@ -45,10 +45,22 @@ def claim_request(mutex: Mutex, uuid: str, record: RequestRecord, lease: int, se
 
     The claim rides on the claimant's ticket lease: if the claimant dies, its claim
     goes with it, and a replay may run again; while it lives, replays see it.
+
+    True also when the key holds our very claim already: a member that applied it and died
+    before answering makes the client send it to the next one (``Cluster.post``), where the
+    compare fails on our own write. Ours: our ticket's active record, on the lease we gave it.
     """
     key = mutex.r + uuid
     check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
-    return bool(mutex.cluster.txn([check], [op_put(key, record.to_json(), lease)], []).get("succeeded"))
+    r = mutex.cluster.txn([check], [op_put(key, record.to_json(), lease)], [op_range(key)])
+    if r.get("succeeded"):
+        return True
+    kvs = ranged(r, 0)[0]
+    try:
+        found = RequestRecord.from_json(kvs[0]["value"]) if kvs else None
+    except (ValueError, TypeError):
+        return False  # not ours, whatever it is: the caller reads it as the record it is
+    return found is not None and found.active and found.ticket_id == record.ticket_id and kvs[0]["lease"] == lease
 
 
 def write_request(mutex: Mutex, uuid: str, record: RequestRecord, ttl: float) -> None:

@@ -118,7 +118,7 @@ class Mutex:
             # mutex.go reuses its key. Only we create a key named by our ticket (a newer
             # ``latest`` one that took it over put its own ticket in it: not ours any more).
             mine = self._own_key(ranged(r, 0)[0], t, lease)
-            return None if mine is None else (mine, self._count_ahead(mine["create_revision"]))
+            return None if mine is None else (mine, self.count_ahead(mine["create_revision"]))
         rev = revision(r)
         kv = {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
         return kv, ranged(r, 0)[1]
@@ -130,7 +130,7 @@ class Mutex:
             return kvs[0]
         return None
 
-    def _count_ahead(self, rev: int) -> int:
+    def count_ahead(self, rev: int) -> int:
         r = self.cluster.txn([], [op_range(self.q, prefix=True, count_only=True, max_create=rev - 1)], [])
         return ranged(r, 0)[1]
 

@@ -139,12 +139,17 @@ class Conn:
         trips it, and the head may take 16 kB of them (hours). One deadline for the request
         keeps ``timeout`` what the caller budgets a member at (the holder's renewal margin).
 
-        A kept-alive connection that the member closed while it was idle fails before any
-        answer: then once more on a fresh connection (the member never saw the request),
-        within the same deadline."""
+        A kept-alive connection that the member closed while it was idle (a restart closes
+        them all) is seen closed before the request goes out, and replaced: nothing was sent.
+        One that fails before any answer all the same (the member's close crossed our request)
+        is tried once more on a fresh connection, within the same deadline. That member may
+        have read and applied the request before the connection broke: this resend, like
+        ``Cluster.post``'s to the next member, is safe only because every write is."""
         data = request_bytes(self.host, self.port, path, payload)
         deadline = time.monotonic() + self.timeout
         for attempt in range(2):
+            if self.sock is not None and _closed(self.sock):
+                self.close()
             reused = self.sock is not None
             answer = Answer()
             try:
@@ -170,6 +175,21 @@ class Conn:
                 self.close()
             return answer.status, bytes(answer.body)
         raise WireError("no answer")  # not reached: the second attempt returns or raises
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Has the member closed this idle connection (or reset it, or sent what nobody asked for)?
+    A peek that does not wait: an idle connection has nothing to read until the member ends it."""
+    # Non-blocking: with a timeout set, recv first waits that long for a byte (the request
+    # sets its own timeout again before it sends).
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return True  # its end (b""), or bytes that answer nothing we asked: not a connection to ask on
 
 
 def _left(deadline: float) -> float:
