@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_queued
 
 from singleflight.core.const import ExitCode
 
@@ -104,7 +104,8 @@ def test_a_waiter_is_promoted_with_a_larger_fence(backend: str, procs: Procs, wo
                 say(fence=held.fence, promoted=held.promoted, inside=verify(held.token_file))
         """)
     )
-    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "J", "--json"]).json[0]["waiters"], 15, "the Lock to queue")
+    # In its place in line, not only recorded: an agent still starting would find the lock free.
+    wait_queued(procs, "J", 1)
     gate.open()
     assert procs.finish(holder).returncode == 0
     r = procs.finish(waiter, timeout=60)
