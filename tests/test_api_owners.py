@@ -290,3 +290,36 @@ def test_an_ended_request_is_named_once_by_the_cli(backend: str, procs: Procs) -
     line = r.one_line()
     assert line.count(f"ticket {ticket['ticket_id']}") == 1, line
     assert f"ticket {ticket['ticket_id']}: released" in line, line
+
+
+def test_a_retry_after_busy_resumes_the_kept_ticket_and_enters_once_promoted(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    gate, holder = _held_gate(procs, work)
+    go = work / "go"
+    p = procs.start(
+        script(f"""
+            lock = Lock("J", request_uuid={str(uuid.uuid4())!r}, lease_seconds=30, wait_seconds=0.5)
+            try:
+                with lock:
+                    say(ran_early=True)
+            except Busy as exc:
+                say(busy=exc.ticket["ticket_id"], kept=exc.kept)
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.01)
+            lock.wait_seconds = 30
+            with lock as held:
+                say(held=held.ticket_id, promoted=held.promoted)
+        """)
+    )
+    assert p.stdout is not None
+    busy = json.loads(p.stdout.readline())
+    assert busy["kept"] is True, busy
+    # Kept in line while its owner lives, past the wait that ran out.
+    assert [w["ticket_id"] for w in lock_status(procs, "J")["waiters"]] == [busy["busy"]]
+    go.touch()
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    r = procs.finish(p, timeout=60)
+    assert r.returncode == 0, r
+    assert facts(r.stdout) == [{"held": busy["busy"], "promoted": True}]
