@@ -171,11 +171,9 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             raise ToolError(str(exc)) from exc
 
     async def run_stoppable(work: Callable[..., _T], *args: Any) -> _T:
-        # The SDK cancels every call in flight when the client goes away (EOF on stdin ends
-        # its read loop), but a worker thread cannot be cancelled: until the thread returns
-        # the server cannot exit, and a wait would go on for a client that is gone. The
-        # thread is told instead and returns at once; the server then exits, and the
-        # ticket's agent, seeing the server go, leaves the line.
+        # The SDK cancels the calls in flight when the client goes (EOF on stdin), but a worker
+        # thread cannot be: the server stayed up, waiting for a gone client. The thread is told
+        # and returns; the server exits, and the ticket's agent, seeing it go, leaves the line.
         stop = threading.Event()
         done: list[_T | PearingError] = []
 
