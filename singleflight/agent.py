@@ -2,32 +2,44 @@
 ``pearing-mcp`` or ``Lock``. It is pearing-run without a COMMAND: the same acquire
 path (``acquire.acquire``), the same holder.
 
-    python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual]
+    python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual|wait]
 
 It waits in the FIFO line while its owner heartbeats the waiting ticket, takes
 the lock, then keeps the lease until release, lease expiry without heartbeat,
 or the kill of its process. It reports on REPORT_FD (``queued``, ``ready``,
-``ended``, ``lost``, ``released``, ``error``); the owner may be long gone. A
-``Lock`` also gives CONTROL_FD: ``started PID STAMP`` when its block begins
-(the lease is then renewed while that process lives) and ``exited`` when it ends.
+``ended``, ``lost``, ``released``, ``error``); the owner may be long gone.
+
+An owner that gives CONTROL_FD answers for the ticket while it lives: when every
+copy of its end is closed (it died, was interrupted, its MCP client went away)
+the agent leaves the line within a second, and never takes the lock for nobody.
+A ``Lock`` (``auto``/``manual``) sends ``started PID STAMP`` when its block begins
+(the lease is then renewed while that process lives) and ``exited`` when it ends;
+it going before ``started`` releases. ``wait`` (pearing-mcp) answers only while the
+ticket waits: once held, the ticket is its client's, kept by heartbeats.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import select
 import signal
 import sys
+import threading
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import protocol
-from singleflight.core.const import ExitCode
+from singleflight.core.const import CANCELLED, WAITING, ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
 from singleflight.holder import Holder, HolderConfig
+
+# CONTROL_FD's mode that answers only while waiting (ops.CONTROL_WAIT; not imported: the
+# agent starts on every acquire-lock, and ops brings subprocess along).
+_WAIT_ONLY = "wait"
 
 
 def main(argv: list[str]) -> int:
@@ -39,16 +51,16 @@ def main(argv: list[str]) -> int:
     ensure_std_fds()
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     chan = Channel(int(control[0]) if control else -1, int(report_fd))
-    auto = control[1:] == ["auto"]
+    mode = control[1] if len(control) > 1 else None
     try:
-        return _agent(chan, url, lock_dir, (repo, lock, ticket_id), auto=auto)
+        return _agent(chan, url, lock_dir, (repo, lock, ticket_id), mode=mode)
     except PearingError as exc:
         # A corrupt record or a planted symlink: the owner exits with this code and line.
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return int(exc.exit_code)
 
 
-def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], *, auto: bool) -> int:
+def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], *, mode: str | None) -> int:
     repo, lock, ticket_id = where
     lk = open_backend(url, lock_dir).lock(repo, lock, create=False)
     # From here on the ticket's liveness is ours (the CLI call may exit).
@@ -56,36 +68,119 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     if ticket is None:
         chan.send(protocol.Message(protocol.ENDED))
         return int(ExitCode.REFUSED)
+    owner = _Owner(chan.rfd, url, lock_dir, where) if chan.rfd >= 0 else None
     queued = False
 
     def on_queued(position: int) -> None:
         nonlocal queued
         queued = True
+        if owner is not None and owner.queued():
+            lk.end(ticket_id, CANCELLED, EndReason.WAITER_GONE, only_if_held=False)
         chan.send(protocol.Message(protocol.QUEUED))
+
+    def deadline() -> float:
+        # Asked whenever the wait wakes: the watcher's stop() wakes it once the owner is gone.
+        return 0.0 if owner is not None and owner.gone else lk.waiting_deadline(ticket_id)
 
     grip = acquire(
         lk,
         ticket,
         until=math.inf,
-        ticket_deadline=lambda: lk.waiting_deadline(ticket_id),
+        ticket_deadline=deadline,
         on_queued=on_queued,
         timeout_reason=EndReason.WAITING_LEASE_EXPIRED,
     )
+    gone = owner is not None and owner.settle()
     if grip is None:
         chan.send(protocol.Message(protocol.ENDED))
         return 0
     # A poke (a heartbeat that shortened the lease, a release) stays pending until the
     # holder's own handler is in place, instead of being lost or fatal.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    if gone:  # the lock came just as its owner went: nobody would be inside
+        lk.end(ticket_id, CANCELLED, EndReason.WAITER_GONE, only_if_held=False)
     current = lk.read(ticket_id)
-    if current is None or not current.live:  # released while it was being promoted
+    if current is None or not current.live:  # released (or its owner gone) while it was being promoted
         grip.close()
         chan.send(protocol.Message(protocol.ENDED))
         return 0
     lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
     chan.send(protocol.ready(taken))
-    cfg = HolderConfig(heartbeat_auto=auto, owned_by_wrapper=False)
+    if mode == _WAIT_ONLY and chan.rfd >= 0:
+        # Held: the ticket is its client's now, kept by heartbeats whatever becomes of the server.
+        os.close(chan.rfd)
+        chan.rfd = -1
+    cfg = HolderConfig(heartbeat_auto=mode == "auto", owned_by_wrapper=False)
     Holder(lk, lease, cfg, chan).serve()  # unblocks: a poke that came meanwhile is handled now
+
+
+class _Owner:
+    """Watches the owner's end of CONTROL_FD while the ticket waits, in a thread of its own:
+    the main thread is blocked in the backend's wait. When every copy of that end is closed
+    the owner is gone, and its ticket leaves the line through the backend's own ``stop``
+    (the path of a release of a waiting ticket: its record ends, the wait wakes)."""
+
+    def __init__(self, fd: int, url: str, lock_dir: str, where: tuple[str, str, str]) -> None:
+        self.fd, self.url, self.lock_dir, self.where = fd, url, lock_dir, where
+        self.gone = False
+        self._mutex = threading.Lock()
+        self._phase = "starting"  # -> queued (a poke is handled now) -> settled (the wait is over)
+        self._wake_r, self._wake_w = os.pipe()
+        thread = threading.Thread(target=self._watch, name="owner", daemon=True)
+        # Every signal goes to the main thread: a poke must cut its kernel wait short, and a
+        # thread created with them blocked cannot take one in the moment before it blocks them.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def queued(self) -> bool:
+        """The main thread took its place in line (a poke is handled from here). True: the
+        owner went before that, and the caller ends the ticket itself."""
+        with self._mutex:
+            self._phase = "queued"
+            return self.gone
+
+    def settle(self) -> bool:
+        """The wait is over: stop watching (the holder reads the channel from here). True if
+        the owner went during the wait."""
+        with self._mutex:
+            self._phase = "settled"
+        os.write(self._wake_w, b"x")
+        return self.gone
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        # No POLLIN: nothing is sent while the ticket waits, and whatever comes is the holder's
+        # to read. A pipe whose every writer closed reports POLLHUP whatever the mask.
+        poller.register(self.fd, 0)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._wake_r in ready:
+                return
+            if self.fd in ready:
+                break
+        with self._mutex:
+            if self._phase == "settled":
+                return
+            self.gone = True
+            if self._phase != "queued":
+                return  # not in line yet: the main thread ends the ticket when it gets there
+            self._leave()
+
+    def _leave(self) -> None:
+        repo, lock, ticket_id = self.where
+        lk = open_backend(self.url, self.lock_dir).lock(repo, lock, create=False)
+        try:
+            t = lk.read(ticket_id)
+            if t is not None and t.state == WAITING:
+                lk.stop(t, CANCELLED, EndReason.WAITER_GONE, within=0.0)
+        except PearingError:
+            pass  # the wait still ends at its next look (``deadline`` says 0 from now)
+        finally:
+            lk.close()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ The lease is kept by a detached agent (the one behind ``pearing-cli
 acquire-lock``), so a process that forks or blocks in C code cannot lose the
 lock by accident; with ``heartbeat="auto"`` it renews while this process lives
 and the block runs. Leaving the block releases, and returns only once the lock
-is free again.
+is free again; only the process that entered it releases (a forked child that
+leaves the block, ``sys.exit`` in it, does nothing to the lock). A process that
+dies or is interrupted while it waits leaves the line, and one that dies holding
+frees the lock at once, whatever the lease.
 """
 
 from __future__ import annotations
@@ -124,6 +127,17 @@ class Held:
 
 
 class Lock:
+    """One lock, entered with ``with``; see the module's docstring.
+
+    A Lock may be entered again once it was left: each ``with`` is a new acquisition (a new
+    ticket, a larger fence) under a new request uuid. With a ``request_uuid`` or
+    ``request_key`` of the caller's, every ``with`` is that one request again: after
+    ``Busy`` (kept) it resumes the waiting ticket; once its ticket has ended (its block
+    ran) it raises ``NotHeld`` saying how that ticket ended, as a retry of a finished
+    request does anywhere: a request runs at most once. New work takes a new uuid.
+    Entering it while it is held (nesting) is a ``UsageError``.
+    """
+
     def __init__(
         self,
         name: str,
@@ -154,10 +168,17 @@ class Lock:
         self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
         self.identity = identities.resolve(identity)
         self._held: Held | None = None
+        self._entered_by = 0  # the pid that entered: only it releases
+        self._used = False
 
     def __enter__(self) -> Held:
         if self._held is not None:
-            raise UsageError(f"lock {self.name!r} is already held by this Lock object")
+            if self._entered_by == os.getpid():
+                raise UsageError(f"lock {self.name!r} is already held by this Lock object")
+            self._held = None  # a forked child's copy of its parent's block: not the child's
+        if self._used and not self._own_uuid:
+            self.request_uuid = new_uuid4()  # a new acquisition, not a replay of the last one
+        self._used = True
         backend = open_backend(self.backend, self.lock_dir)
         try:
             out, chan = ops.acquire(
@@ -180,15 +201,20 @@ class Lock:
         finally:
             backend.close()
         if out.code != ExitCode.OK or chan is None:
-            raise NotHeld(out.ticket["ticket_id"], out.reason or out.ticket["state"])
+            if chan is not None:
+                chan.close()
+            raise NotHeld(out.ticket["ticket_id"], out.why or out.ticket["state"])
         # From here the agent renews (auto) while this process lives, and releases if it dies.
         chan.send(protocol.started(os.getpid(), proc.start_time(os.getpid()) or 0))
+        self._entered_by = os.getpid()
         self._held = Held(self, out.ticket, chan, out.ticket.get("token_file") or "")
         return self._held
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         held, self._held = self._held, None
-        if held is None:
+        if held is None or self._entered_by != os.getpid():
+            # A forked child leaving its copy of the block (sys.exit unwinds it there): the lock
+            # is its parent's. Its copies of the channel were closed at the fork (ops).
             return
         chan = held._chan
         chan.send(protocol.exited(0 if exc_type is None else 1))

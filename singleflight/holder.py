@@ -170,6 +170,11 @@ class Holder:
                     if self.chan is None or self.chan.eof:
                         # The wrapper was killed (or the Lock's process died): status unknown.
                         self.finish(None)
+                    if not self.cfg.owned_by_wrapper:
+                        # The Lock's process died, and a child it forked may keep a copy of its
+                        # end of the pipe open: no EOF to wait for. An 'exited' it sent first counts.
+                        self._drain(poller)
+                        self.finish(None)
                 elif fd == news:
                     self._check_lease()
             now = time.monotonic()
@@ -208,10 +213,18 @@ class Holder:
                 self.finish(msg.status)
         if self.chan.eof and self.spawning:
             self._find_spawned(poller)
-        if self.chan.eof and (self.cmd_done if self.cmd_pid is not None else self.cfg.owned_by_wrapper):
+        if self.chan.eof and (self.cmd_pid is None or self.cmd_done):
             # The owner is gone and so is what it ran: pearing-run died before COMMAND started
-            # or after it ended; a Lock's process died inside its block.
+            # or after it ended; a Lock's process died inside its block, or before it began
+            # (an agent reads a channel only from an owner that answers for the ticket).
             self.finish(None)
+
+    def _drain(self, poller: select.poll) -> None:
+        """What the owner sent before it went, without blocking."""
+        chan = self.chan
+        if chan is not None and chan.rfd >= 0 and not chan.eof and select.select([chan.rfd], [], [], 0)[0]:
+            chan.fill()
+            self._on_messages(poller)
 
     def _started(self, pid: int, stamp: int, poller: select.poll | None) -> None:
         """COMMAND (or the --skip-if check) runs: watch it."""

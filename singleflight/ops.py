@@ -3,6 +3,10 @@
 ``acquire`` records a waiting ticket and starts its agent (``singleflight.agent``,
 the runner without a COMMAND), which takes the lock through the same acquire
 path as pearing-run and keeps it after this call returns.
+
+An owner that answers for its ticket (``Lock``, pearing-mcp: ``control``) keeps a
+channel to the agent open while this process lives, and only here: a forked child
+closes its copies at once, so the agent reads the channel's EOF as this process gone.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import subprocess
 import sys
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
 from singleflight.core import names, proc, protocol
 from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
@@ -28,15 +36,52 @@ if TYPE_CHECKING:
 
 # How long acquire-lock waits for its agent to start and report, beyond --wait-seconds.
 _AGENT_START_SECONDS = 15.0
+# ``control`` for an owner that answers for its ticket only while it waits (pearing-mcp:
+# once held, the ticket is its client's); the agent's argv word (singleflight.agent).
+CONTROL_WAIT: Final = "wait"
+# How often a wait that may be stopped (``stopped``) looks whether it was.
+_STOP_POLL = 0.2
+
+# Every control channel this process holds: a forked child closes its copies (below).
+_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+# Tickets still waiting after the call that made them returned (the wait ran out): their
+# channel stays open while this process lives, so its agent leaves the line when this
+# process goes, and a retry of the same request here picks the channel up again.
+_kept: dict[str, Channel] = {}
+_kept_mutex = threading.Lock()
+
+
+def _in_child() -> None:
+    """After fork, in the child: the channels are the parent's. Kept open here, the parent's
+    death would go unseen while the child lives; written to, the child would speak for it."""
+    global _kept_mutex
+    for chan in list(_channels):
+        chan.close()
+    _channels.clear()
+    _kept.clear()
+    _kept_mutex = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 
 class Outcome:
-    """A ticket to print and the exit code that goes with it."""
+    """A ticket to print and the exit code that goes with it.
 
-    __slots__ = ("code", "reason", "ticket")
+    ``why``: how the ticket ended (or that it still waits), without its id; ``reason``: the
+    line a front end prints, naming the ticket once (``NotHeld`` names it itself from ``why``).
+    """
 
-    def __init__(self, ticket: dict[str, Any], code: ExitCode = ExitCode.OK, reason: str | None = None) -> None:
-        self.ticket, self.code, self.reason = ticket, code, reason
+    __slots__ = ("code", "ticket", "why")
+
+    def __init__(self, ticket: dict[str, Any], code: ExitCode = ExitCode.OK, why: str | None = None) -> None:
+        self.ticket, self.code, self.why = ticket, code, why
+
+    @property
+    def reason(self) -> str | None:
+        if self.why is None or (self.code == ExitCode.BUSY and self.ticket.get("state") == WAITING):
+            return self.why
+        return f"ticket {self.ticket['ticket_id']}: {self.why}"
 
 
 class AgentFailed(PearingError):
@@ -54,8 +99,8 @@ def _outcome(backend: Backend, lk: LockOps, t: Ticket) -> Outcome:
     if view["state"] == WAITING:
         return Outcome(view, ExitCode.BUSY, "still waiting in line")
     if t.superseded_by:  # a newer `latest` request replaced it: busy, as pearing-run exits
-        return Outcome(view, ExitCode.BUSY, f"ticket {t.ticket_id}: {t.describe_end()}")
-    return Outcome(view, ExitCode.REFUSED, f"ticket {t.ticket_id}: {t.describe_end()}")
+        return Outcome(view, ExitCode.BUSY, t.describe_end())
+    return Outcome(view, ExitCode.REFUSED, t.describe_end())
 
 
 def acquire(
@@ -70,11 +115,15 @@ def acquire(
     control: str | None = None,
     queue_mode: str = QUEUE_FIFO,
     cancel_in_progress: bool = False,
+    stopped: Callable[[], bool] | None = None,
 ) -> tuple[Outcome, Channel | None]:
     """Take the lock or queue for it; one ticket per request uuid.
 
-    ``control`` (``auto`` / ``manual``, for ``Lock``) keeps a channel to the agent
-    open and returns it; the caller then tells the agent when its block starts.
+    ``control`` makes this process the ticket's owner while it lives. ``auto`` / ``manual``
+    (``Lock``) returns the channel once held; the caller then tells the agent when its block
+    starts and ends. ``CONTROL_WAIT`` (pearing-mcp) answers only while the ticket waits. A
+    ticket still waiting when the call returns stays this process's (see ``_kept``).
+    ``stopped`` ends the wait early when it turns true (the ticket keeps waiting).
     """
     request_uuid = names.request_uuid(request_uuid)
     lk = backend.lock(names.scope(repo), names.lock_name(lock))
@@ -95,15 +144,31 @@ def acquire(
             cancel_in_progress=cancel_in_progress,
             kill_grace=0.0,
         )
+        _prune()
         t = lk.create(mine)
         if t.ticket_id != mine.ticket_id:
-            return _existing(backend, lk, t, lease_seconds, wait_seconds), None
-        return _start_agent(backend, lk, t, wait_seconds, control)
+            with _kept_mutex:
+                chan = _kept.pop(t.ticket_id, None)
+            if chan is not None:  # ours, still waiting or promoted meanwhile: resume on its channel
+                with contextlib.suppress(NotHeld):
+                    t = lk.renew(t.ticket_id, lease_seconds)  # a retry renews like a heartbeat
+                heard = (protocol.QUEUED, wait_seconds)
+                return _follow(backend, lk, t, chan, heard=heard, control=control, stopped=stopped)
+            return _existing(backend, lk, t, lease_seconds, wait_seconds, stopped=stopped), None
+        return _start_agent(backend, lk, t, wait_seconds=wait_seconds, control=control, stopped=stopped)
     finally:
         lk.close()
 
 
-def _existing(backend: Backend, lk: LockOps, t: Ticket, lease_seconds: float, wait_seconds: float) -> Outcome:
+def _existing(
+    backend: Backend,
+    lk: LockOps,
+    t: Ticket,
+    lease_seconds: float,
+    wait_seconds: float,
+    *,
+    stopped: Callable[[], bool] | None = None,
+) -> Outcome:
     """Same request uuid again: never a second ticket, never behind itself; renews a waiting one."""
     if t.state == WAITING:
         # It may have ended (or be just being promoted): reported below as it stands.
@@ -112,9 +177,10 @@ def _existing(backend: Backend, lk: LockOps, t: Ticket, lease_seconds: float, wa
             with contextlib.suppress(NotHeld):
                 t = lk.renew(t.ticket_id, lease_seconds)
             # The whole wait, whatever the lease: its owner is here, heartbeating it.
-            lk.await_turn(t.ticket_id, max(0.0, min(until - time.monotonic(), _beat(lease_seconds))))
+            step = min(until - time.monotonic(), _beat(lease_seconds), math.inf if stopped is None else _STOP_POLL)
+            lk.await_turn(t.ticket_id, max(0.0, step))
             cur = lk.read(t.ticket_id)
-            if cur is None or cur.state != WAITING or time.monotonic() >= until:
+            if cur is None or cur.state != WAITING or time.monotonic() >= until or (stopped and stopped()):
                 break
     return _outcome(backend, lk, lk.read(t.ticket_id) or t)
 
@@ -125,7 +191,13 @@ def _beat(lease_seconds: float) -> float:
 
 
 def _start_agent(
-    backend: Backend, lk: LockOps, t: Ticket, wait_seconds: float, control: str | None
+    backend: Backend,
+    lk: LockOps,
+    t: Ticket,
+    *,
+    wait_seconds: float,
+    control: str | None,
+    stopped: Callable[[], bool] | None,
 ) -> tuple[Outcome, Channel | None]:
     r, w = os.pipe()
     fds = [w]
@@ -136,29 +208,56 @@ def _start_agent(
         ctl_r, ctl_w = os.pipe()
         fds.append(ctl_r)
         argv += [str(ctl_r), control]
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        pass_fds=fds,
-        start_new_session=True,
-    )
-    for fd in fds:
-        os.close(fd)
-    proc.wait()  # the agent daemonises at once; its child keeps the pipes
     chan = Channel(r, ctl_w)
-    deadline = time.monotonic() + _AGENT_START_SECONDS
-    last = None
-    beat = math.inf
+    _channels.add(chan)
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=fds,
+            start_new_session=True,
+        )
+    except BaseException:
+        chan.close()
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    proc.wait()  # the agent daemonises at once; its child keeps the pipes
+    return _follow(backend, lk, t, chan, heard=(None, wait_seconds), control=control, stopped=stopped)
+
+
+def _follow(
+    backend: Backend,
+    lk: LockOps,
+    t: Ticket,
+    chan: Channel,
+    *,
+    heard: tuple[str | None, float],
+    control: str | None,
+    stopped: Callable[[], bool] | None,
+) -> tuple[Outcome, Channel | None]:
+    """Hear the agent out: until it holds, the ticket ends, or the wait runs out (``heard``:
+    the last message it sent, and the wait left once it has queued)."""
+    last, wait_seconds = heard
+    deadline = time.monotonic() + (wait_seconds if last == protocol.QUEUED else _AGENT_START_SECONDS)
+    beat = math.inf if last is None else time.monotonic() + _beat(t.lease_seconds)
     try:
         while True:
-            msg = chan.recv_until(min(deadline, beat))
+            until = min(deadline, beat)
+            if stopped is not None:
+                if stopped():
+                    break
+                until = min(until, time.monotonic() + _STOP_POLL)
+            msg = chan.recv_until(until)
             if msg is None and not chan.eof and time.monotonic() < deadline:
-                # Waiting in line: the whole wait, whatever the lease (its owner is here).
-                with contextlib.suppress(NotHeld):
-                    lk.renew(t.ticket_id, t.lease_seconds)
-                beat = time.monotonic() + _beat(t.lease_seconds)
+                if time.monotonic() >= beat:
+                    # Waiting in line: the whole wait, whatever the lease (its owner is here).
+                    with contextlib.suppress(NotHeld):
+                        lk.renew(t.ticket_id, t.lease_seconds)
+                    beat = time.monotonic() + _beat(t.lease_seconds)
                 continue
             if msg is None:
                 break
@@ -180,10 +279,33 @@ def _start_agent(
     if last is None and chan.eof and cur.live:
         cur = tickets.end_orphan(lk, cur)  # every write end closed: the agent died without a word
     out = _outcome(backend, lk, cur)
-    if control is not None and last == protocol.READY:
+    if control is not None and last == protocol.READY and control != CONTROL_WAIT and out.code == ExitCode.OK:
         return out, chan
+    if control is not None and last != protocol.READY and out.ticket["state"] == WAITING and not chan.eof:
+        with _kept_mutex:
+            _kept[t.ticket_id] = chan
+        return out, None
     chan.close()
     return out, None
+
+
+def _prune() -> None:
+    """Let go of kept channels whose agent has exited (its ticket ended): a server lives for days.
+    What an agent said is kept in its channel's buffer, for a retry that resumes it."""
+    with _kept_mutex:
+        for ticket_id, chan in list(_kept.items()):
+            while not chan.eof and select.select([chan.rfd], [], [], 0)[0]:
+                chan.fill()
+            if chan.eof:
+                chan.close()
+                del _kept[ticket_id]
+
+
+def _drop_kept(ticket_id: str) -> None:
+    with _kept_mutex:
+        chan = _kept.pop(ticket_id, None)
+    if chan is not None:
+        chan.close()
 
 
 def get(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
@@ -215,6 +337,7 @@ def release(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str,
         return tickets.view(backend, lk, tickets.release(lk, ticket_id))
     finally:
         lk.close()
+        _drop_kept(ticket_id)  # its agent has let go: nothing left to answer for
 
 
 def update_activity(backend: Backend, identity: str, activity: str | None) -> dict[str, Any]:

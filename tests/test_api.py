@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for, wait_queued
 
 from singleflight.core.const import ExitCode
 
@@ -104,7 +104,11 @@ def test_a_waiter_is_promoted_with_a_larger_fence(backend: str, procs: Procs, wo
                 say(fence=held.fence, promoted=held.promoted, inside=verify(held.token_file))
         """)
     )
-    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "J", "--json"]).json[0]["waiters"], 15, "the Lock to queue")
+    # In its place in line, not only recorded: status numbers a waiting ticket whose agent is
+    # still starting too, and that agent would find the lock free and take it unpromoted.
+    wait_queued(procs, "J", 1)
+    (waiter_ticket,) = lock_status(procs, "J")["waiters"]
+    wait_for(lambda: get_ticket(procs, "J", waiter_ticket["ticket_id"])["queue_position"] == 1, 15, "its place")
     gate.open()
     assert procs.finish(holder).returncode == 0
     r = procs.finish(waiter, timeout=60)

@@ -199,6 +199,16 @@ async def _until(probe: Callable[[], Awaitable[Any]], what: str, timeout: float 
         await anyio.sleep(0.01)  # the poll interval, never a wait on its own
 
 
+async def _in_line(c: Client, ref: dict[str, str]) -> bool:
+    """One waiter, in its place in the FIFO line: list_locks numbers a waiting ticket whose
+    agent is still starting too, get_lock_ticket only once the agent has queued."""
+    (lock,) = await c.call("list_locks", **ref)
+    if [w["queue_position"] for w in lock["waiters"]] != [1]:
+        return False
+    ticket = await c.call("get_lock_ticket", **ref, ticket_id=lock["waiters"][0]["ticket_id"])
+    return ticket["queue_position"] == 1
+
+
 # -- the tool list ---------------------------------------------------------------------------
 
 
@@ -326,9 +336,7 @@ async def test_a_blocked_acquire_leaves_the_server_serving_and_is_promoted(
             promoted.update(await c.acquire(wait_seconds=30))
 
         async def waiter_queued() -> bool:
-            # queue_position is set once its agent has taken its place in the FIFO line.
-            (lock,) = await c.call("list_locks", **ref)
-            return [w["queue_position"] for w in lock["waiters"]] == [1]
+            return await _in_line(c, ref)
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -353,8 +361,7 @@ async def test_a_promoted_ticket_says_it_waited(server_args: list[str], tmp_path
             promoted.update(await c.acquire(wait_seconds=30))
 
         async def waiter_queued() -> bool:
-            (lock,) = await c.call("list_locks", **ref)
-            return [w["queue_position"] for w in lock["waiters"]] == [1]
+            return await _in_line(c, ref)
 
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:

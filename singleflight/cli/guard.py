@@ -1,8 +1,12 @@
 """pearing-guard: refuse side effects without a live token; reject stale fences.
 
-pearing-guard verify [--token-file F] [--json]
-pearing-guard exec [--max-seconds S] [--token-file F] -- CMD [ARG...]
-pearing-guard fence --resource NAME --fence N [--ledger PATH]
+pearing-guard verify [--token-file F] [--backend URL] [--json]
+pearing-guard exec [--max-seconds S] [--token-file F] [--backend URL] -- CMD [ARG...]
+pearing-guard fence --resource NAME --fence N [--ledger PATH] [--backend URL]
+
+``--backend`` (default PEARING_BACKEND, else the lock dir), as pearing-run and pearing-cli
+take it: where a token from PEARING_TOKEN lives, and whose ledger ``fence`` uses. A token
+file names its own backend: the one that issued it.
 """
 
 from __future__ import annotations
@@ -28,16 +32,21 @@ PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"
 TOKEN_FILE = Option("--token-file", dest="token_file", metavar="F", help="token file (default PEARING_TOKEN_FILE)")
 HELP = Option("-h", "--help", dest="help", flag=True, help="show this help and exit")
-VERIFY = [TOKEN_FILE, Option("--json", dest="json", flag=True, help="print the verdict as JSON"), HELP]
+BACKEND = Option(
+    "--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local)"
+)
+VERIFY = [TOKEN_FILE, BACKEND, Option("--json", dest="json", flag=True, help="print the verdict as JSON"), HELP]
 EXEC = [
     TOKEN_FILE,
+    BACKEND,
     Option("--max-seconds", dest="max_seconds", metavar="S", help="kill CMD after S s (default 60)"),
     HELP,
 ]
 FENCE = [
     Option("--resource", dest="resource", metavar="NAME", help="what the fence protects (required)"),
     Option("--fence", dest="fence", metavar="N", help="the writer's fence (required)"),
-    Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default LOCK_DIR/ledger.json, or etcd)"),
+    Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default the backend's own ledger)"),
+    BACKEND,
     Option("--json", dest="json", flag=True, help="print the result as JSON"),
     HELP,
 ]
@@ -51,12 +60,23 @@ def _help(opts: list[Option], synopsis: str) -> int:
     return 0
 
 
+def _backend(values: dict[str, object]) -> str:
+    """``--backend``, else PEARING_BACKEND, else local: checked before anything is opened."""
+    flag = values.get("backend")
+    return backend_url(None if flag is None else str(flag), os.environ.get(ENV_BACKEND))
+
+
+def _env(values: dict[str, object]) -> dict[str, str]:
+    """The environment a token is read from, with the backend chosen here."""
+    return {**os.environ, ENV_BACKEND: _backend(values)}
+
+
 def cmd_verify(argv: list[str], log: Log) -> int:
     values, _ = parse(argv, VERIFY, positional=False)
     if values.get("help"):
-        return _help(VERIFY, "verify [--token-file F] [--json]")
+        return _help(VERIFY, "verify [--token-file F] [--backend URL] [--json]")
     token_file = values.get("token_file")
-    verdict = guard.verify(str(token_file) if token_file else None)
+    verdict = guard.verify(str(token_file) if token_file else None, env=_env(values))
     if values.get("json"):
         sys.stdout.write(json.dumps(verdict.as_dict()) + "\n")
     if verdict.ok:
@@ -68,7 +88,8 @@ def cmd_verify(argv: list[str], log: Log) -> int:
 def cmd_exec(argv: list[str], log: Log) -> int:
     values, command = parse(argv, EXEC, positional=True)
     if values.get("help"):
-        return _help(EXEC, "exec [--max-seconds S] [--token-file F] -- CMD [ARG...]")
+        return _help(EXEC, "exec [--max-seconds S] [--token-file F] [--backend URL] -- CMD [ARG...]")
+    env = _env(values)
     if not command:
         raise UsageError("no CMD given (put it after --)")
     if not command[0]:
@@ -79,7 +100,7 @@ def cmd_exec(argv: list[str], log: Log) -> int:
     )
     token_file = values.get("token_file")
     try:
-        with guard.guarded(str(token_file) if token_file else None, hold_seconds=max_seconds):
+        with guard.guarded(str(token_file) if token_file else None, env=env, hold_seconds=max_seconds):
             return _run_bounded(command, max_seconds, log)
     except PearingError as exc:
         if exc.exit_code == ExitCode.REFUSED:
@@ -156,12 +177,12 @@ def _kill_tree(pid: int, pidfd: int) -> None:
 def cmd_fence(argv: list[str], log: Log) -> int:
     values, _ = parse(argv, FENCE, positional=False)
     if values.get("help"):
-        return _help(FENCE, "fence --resource NAME --fence N [--ledger PATH]")
+        return _help(FENCE, "fence --resource NAME --fence N [--ledger PATH] [--backend URL]")
     resource, fence = values.get("resource"), values.get("fence")
     if resource is None or fence is None:
         raise UsageError("fence needs --resource NAME and --fence N")
     ledger = values.get("ledger")
-    backend = backend_url(None, os.environ.get(ENV_BACKEND))
+    backend = _backend(values)
     ledger_path = str(ledger) if ledger else None
     accepted = guard.accept_fence(str(resource), names.fence(str(fence)), ledger_path, backend=backend)
     if values.get("json"):

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -85,15 +86,34 @@ class Ops:
         self._call(lambda b: None)
 
     def acquire(
-        self, repo: str, lock_name: str, request_uuid: str, lease_seconds: float, wait_seconds: float
+        self,
+        repo: str,
+        lock_name: str,
+        request_uuid: str,
+        lease_seconds: float,
+        wait_seconds: float,
+        *,
+        stopped: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
+        """``stopped``: the call was cancelled (its client gone): stop waiting at once."""
         lock, scope = names.lock_name(lock_name), names.scope(repo)
         uuid = names.request_uuid(request_uuid, "request_uuid")
         lease = names.lease_seconds(lease_seconds, "lease_seconds")
         wait = names.seconds(wait_seconds, "wait_seconds")
         out, _ = self._call(
             lambda b: ops.acquire(
-                b, lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=self.identity
+                b,
+                lock,
+                scope,
+                request_uuid=uuid,
+                lease_seconds=lease,
+                wait_seconds=wait,
+                identity=self.identity,
+                # A waiting ticket answers to this server, and so to its client: when the client
+                # goes (stdin closed, the server exits) or the server dies, its agent leaves the
+                # line. Once held, the ticket is the client's, kept by its heartbeats.
+                control=ops.CONTROL_WAIT,
+                stopped=stopped,
             )
         )
         if out.code == ExitCode.REFUSED:
@@ -134,6 +154,7 @@ class Ops:
 
 
 def build_server(ops: Ops) -> "MCPServer[Any]":
+    import anyio
     import anyio.to_thread
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
@@ -148,6 +169,31 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
         except PearingError as exc:
             # A ToolError is the SDK's anticipated failure: is_error=True with this text.
             raise ToolError(str(exc)) from exc
+
+    async def run_stoppable(work: Callable[..., _T], *args: Any) -> _T:
+        # The SDK cancels the calls in flight when the client goes (EOF on stdin), but a worker
+        # thread cannot be: the server stayed up, waiting for a gone client. The thread is told
+        # and returns; the server exits, and the ticket's agent, seeing it go, leaves the line.
+        stop = threading.Event()
+        done: list[_T | PearingError] = []
+
+        async def on_cancel() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_cancel)
+            try:
+                done.append(await anyio.to_thread.run_sync(functools.partial(work, *args, stopped=stop.is_set)))
+            except PearingError as exc:
+                done.append(exc)  # raised below: from inside the group it would come wrapped
+            finally:
+                tg.cancel_scope.cancel()
+        if isinstance(done[0], PearingError):
+            raise ToolError(str(done[0])) from done[0]
+        return done[0]
 
     # The input schemas carry the rules of singleflight.core.names, so a client sees them in
     # tools/list and the SDK refuses a bad call before it runs; the tools check again (a
@@ -210,7 +256,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             ),
         ] = 0.0,
     ) -> dict[str, Any]:
-        return await run(ops.acquire, repo, lock_name, request_uuid, lease_seconds, wait_seconds)
+        return await run_stoppable(ops.acquire, repo, lock_name, request_uuid, lease_seconds, wait_seconds)
 
     async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
         return await run(ops.get, repo, lock_name, ticket_id)
