@@ -82,6 +82,7 @@ class Child:
         """COMMAND in its own process group; -126/-127 when it cannot be started."""
         # Killed between the spawn and ``started``, we leave the holder a hint to find it by.
         chan.send(protocol.Message(protocol.SPAWNING))
+        fault.pause("pause-command-spawn")
         try:
             pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
         except OSError as exc:
