@@ -80,8 +80,9 @@ class Child:
 
     def spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
         """COMMAND in its own process group; -126/-127 when it cannot be started."""
-        # Killed between the spawn and ``started``, we leave the holder a hint to find it by.
-        chan.send(protocol.Message(protocol.SPAWNING))
+        # Killed between the spawn and ``started``, we leave the holder a hint to find it by: that
+        # COMMAND starts no earlier than now, on the clock /proc gives its start on.
+        chan.send(protocol.spawning(proc.boot_ticks()))
         fault.pause("pause-command-spawn")
         try:
             pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
