@@ -80,10 +80,15 @@ class Child:
 
     def spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
         """COMMAND in its own process group; -126/-127 when it cannot be started."""
-        # Killed between the spawn and ``started``, we leave the holder a hint to find it by.
-        chan.send(protocol.Message(protocol.SPAWNING))
+        # Killed between the spawn and ``started``, we leave the holder a hint to find it by: that
+        # COMMAND starts no earlier than now, on the clock /proc gives its start on.
+        chan.send(protocol.spawning(proc.boot_ticks()))
+        fault.pause("pause-command-spawn")
         try:
-            pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
+            if self.tty.fd >= 0:
+                pid = self.tty.spawn(argv, env, _DEFAULT_IN_CHILD)
+            else:  # the common path, and the faster: no fork of this process
+                pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
         except OSError as exc:
             code = ExitCode.NOTFOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOEXEC
             what = "not found" if code == ExitCode.NOTFOUND else "not executable"
@@ -91,7 +96,8 @@ class Child:
             return -int(code)
         self.pid = pid
         fault.point("after-command-spawn")
-        self.tty.give(pid)
+        # No tty.give here: a terminal is COMMAND's since before its exec. Given again now, with a
+        # SIGCONT, it would undo what COMMAND did meanwhile: a ^Z, a job of its own in front.
         chan.send(protocol.started(pid, proc.start_time(pid) or 0))
         for sig in self.pending:
             killpg(pid, sig)

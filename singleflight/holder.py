@@ -18,13 +18,15 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from singleflight.core import fault, group, proc, protocol
-from singleflight.core.const import ENV_TICKET, EXPIRED, RELEASED
+from singleflight.core.const import ENV_TOKEN, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.rules.requests import record_end
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from singleflight.backend import Lease, LockOps
 
 # Signals that end the lease early, as a lost lease (the run must stop).
@@ -107,7 +109,8 @@ class Holder:
         self.cmd_pid: int | None = None
         self.cmd_fd: int | None = None
         self.cmd_done = False
-        self.spawning = False  # told COMMAND is about to start, not yet its pid
+        # Told COMMAND is about to start, not yet its pid: the moment it was told (``boot_ticks``).
+        self.spawning: int | None = None
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         for sig in HOLDER_SIGNALS:
@@ -205,13 +208,13 @@ class Holder:
         assert self.chan is not None
         for msg in self.chan.messages():
             if msg.kind == protocol.SPAWNING:
-                self.spawning = True
+                self.spawning = msg.stamp
             elif msg.kind == protocol.STARTED:
                 self._started(msg.pid, msg.stamp, poller)
             elif msg.kind == protocol.EXITED:
                 self.cmd_done = True
                 self.finish(msg.status)
-        if self.chan.eof and self.spawning:
+        if self.chan.eof and self.spawning is not None:
             self._find_spawned(poller)
         if self.chan.eof and (self.cmd_pid is None or self.cmd_done):
             # The owner is gone and so is what it ran: pearing-run died before COMMAND started
@@ -228,7 +231,7 @@ class Holder:
 
     def _started(self, pid: int, stamp: int, poller: select.poll | None) -> None:
         """COMMAND (or the --skip-if check) runs: watch it."""
-        self.spawning = False
+        self.spawning = None
         if self.cmd_fd is not None:  # the --skip-if check came first
             if not self.cmd_done and poller is not None:
                 poller.unregister(self.cmd_fd)
@@ -242,11 +245,22 @@ class Holder:
 
     def _find_spawned(self, poller: select.poll | None) -> None:
         """The wrapper died between spawning COMMAND and telling us its pid (kill -9): find it by
-        our ticket in its environment, as if told. A process just spawned may take a moment to
-        exec; one that never started (the wrapper died before the spawn) is not waited for long."""
-        self.spawning = False
+        the run's token in its environment, as if told. A process just spawned may take a moment
+        to exec; one that never started (the wrapper died before the spawn) is not waited for long.
+
+        Never by the ticket id: it is public (``pearing-cli status``), and a process carrying it,
+        adopted in COMMAND's place, let the lock go when it exited while COMMAND ran on. The token
+        is the run's secret, minted once the lock was ours: only its 0600 token file and what the
+        run started have it (a --skip-if check's own daemon too, hence the second rule: started
+        no earlier than the ``spawning`` word, which the wrapper stamped before the spawn; the
+        moment we heard it may already be after COMMAND's start)."""
+        since, self.spawning = self.spawning, None
+        digest = self.lease.ticket.token_hash
+        if since is None or digest is None:
+            return
+        matches = _token_matcher(digest)
         deadline = time.monotonic() + _SPAWNED_FOUND_WITHIN
-        while (found := proc.spawned_with_env(ENV_TICKET, self.lease.ticket.ticket_id)) is None:
+        while (found := proc.spawned_with_env(ENV_TOKEN, matches, since)) is None:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.02)
@@ -286,13 +300,13 @@ class Holder:
             if msg is None:
                 continue
             if msg.kind == protocol.SPAWNING:
-                self.spawning = True
+                self.spawning = msg.stamp
             elif msg.kind == protocol.STARTED:
                 self._started(msg.pid, msg.stamp, None)
                 return
             elif msg.kind == protocol.EXITED:
                 return
-        if self.spawning:
+        if self.spawning is not None:
             self._find_spawned(None)
 
     def finish(self, status: int | None) -> NoReturn:
@@ -336,6 +350,19 @@ class Holder:
 
 # A wrapper killed mid-spawn: how long the holder looks for the process it may have started.
 _SPAWNED_FOUND_WITHIN = 1.0
+
+
+def _token_matcher(digest: str) -> Callable[[bytes], bool]:
+    """Is a value the token whose hash is ``digest`` (the ticket keeps only the hash)? In
+    constant time, as every comparison with a secret."""
+    import hmac
+
+    from singleflight.core.tokens import token_hash
+
+    def matches(value: bytes) -> bool:
+        return hmac.compare_digest(token_hash(value.decode(errors="replace")), digest)
+
+    return matches
 
 
 def _ignore(signum: int, frame: object) -> None:

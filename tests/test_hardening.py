@@ -429,11 +429,13 @@ def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work:
 class Pty:
     """pearing-run as the foreground job of a terminal, as when typed in a shell."""
 
-    def __init__(self, procs: Procs, *args: str) -> None:
+    def __init__(self, procs: Procs, *args: str, argv: list[str] | None = None) -> None:
+        """pearing-run ARGS, or ``argv`` (a shell that runs it, say) as the terminal's session leader."""
+        argv = argv or [PEARING_RUN, *args]
         pid, self.master = pty.fork()
         if pid == 0:  # the child: a session leader whose controlling terminal is the pty
             try:
-                os.execve(PEARING_RUN, [PEARING_RUN, *args], procs.env)
+                os.execve(argv[0], argv, procs.env)
             finally:
                 os._exit(127)
         self.pid, self.out = pid, b""

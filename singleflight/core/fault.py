@@ -5,7 +5,9 @@ Off unless ``PEARING_FAULT`` names points (comma-separated), e.g.
 a kill at any step never leaves a lock held forever, two holders at once, or a
 fence reused. Points: after-flock, after-fence-bump, after-token-file,
 after-holder-spawn, after-command-spawn, before-finish, mid-release, mid-promotion, mid-ledger. Pause points (SIGSTOP
-instead): pause-holder-start, pause-guard-spawned.
+instead): pause-holder-start, pause-guard-spawned, pause-command-spawn (pearing-run's wrapper,
+after telling its holder ``spawning`` and right before it spawns COMMAND or the --skip-if check:
+a test starts a process there that is older than COMMAND yet younger than that word).
 """
 
 from __future__ import annotations

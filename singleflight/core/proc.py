@@ -8,7 +8,10 @@ guarded write, which is why psutil is not imported on Linux.
 from __future__ import annotations
 
 import os
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _PROC_STAT: Final = "/proc/{}/stat"
 
@@ -147,27 +150,60 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def spawned_with_env(name: str, value: str) -> tuple[int, int] | None:
-    """(pid, start time) of the process whose environment, as it was exec'd, holds
-    ``name=value`` and whose parent's does not: the root of what a dead parent spawned
-    with it, if it leads its own process group; else None. Reads every visible
-    ``/proc/PID/environ`` (the caller's user's processes): for rare paths only."""
-    entry = b"\0" + f"{name}={value}".encode() + b"\0"
+def boot_ticks() -> int:
+    """Now, on the clock of a process's start time in /proc/PID/stat: clock ticks since boot
+    (CLOCK_BOOTTIME, floored as the kernel floors a start). 0 where there is no such clock."""
+    import time
+
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        return 0
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK") // 1_000_000_000
+
+
+def spawned_with_env(name: str, matches: Callable[[bytes], bool], since: int) -> tuple[int, int] | None:
+    """(pid, start time) of the root of what a dead parent spawned: a process started at ``since``
+    (``boot_ticks``) or later, leading its own process group, whose environment as it was exec'd
+    holds ``name`` with a value ``matches`` accepts (the first ``name=``, as getenv reads it),
+    and whose parent's does not; the oldest such, or None.
+
+    Only the caller's own processes are read (their /proc directory is ours), each through a
+    descriptor of that directory, so a pid reused meanwhile is never read as the process that
+    had it, and no link is followed: for rare paths only."""
+    prefix = name.encode() + b"="
+    me = os.geteuid()
     found: dict[int, tuple[int, int, int]] = {}  # pid: (parent, group, start time)
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        pid = int(d)
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry not in b"\0" + f.read():
-                    continue
-            with open(_PROC_STAT.format(pid), "rb") as f:
-                data = f.read()
-        except OSError:  # gone, or not ours to read
+            at = os.open(f"/proc/{d}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # gone
             continue
-        fields = _stat_fields(data)
-        if fields[0] not in (b"Z", b"X"):
-            found[pid] = (int(fields[1]), int(fields[2]), int(fields[19]))
+        try:
+            if os.fstat(at).st_uid != me:
+                continue  # another user's: not ours to read, and never what we spawned
+            fields = _stat_fields(_read_at(at, "stat"))
+            start = int(fields[19])
+            if fields[0] in (b"Z", b"X") or start < since:
+                continue
+            env = _read_at(at, "environ")
+        except (OSError, ValueError, IndexError):  # gone, or not ours to read after all
+            continue
+        finally:
+            os.close(at)
+        value = next((e[len(prefix) :] for e in env.split(b"\0") if e.startswith(prefix)), None)
+        if value is not None and matches(value):
+            found[int(d)] = (int(fields[1]), int(fields[2]), start)
     roots = [(start, pid) for pid, (parent, group, start) in found.items() if parent not in found and group == pid]
     return (min(roots)[1], min(roots)[0]) if roots else None
+
+
+def _read_at(directory: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

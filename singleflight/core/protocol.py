@@ -13,7 +13,8 @@ streams that report EOF when the peer dies.
                       error NAME MESSAGE        failed; NAME is an ExitCode member
     owner -> holder   go {json}                 first in line: the grip (to a holder forked
                                                 as the run started to wait)
-                      spawning                  COMMAND is about to start (its pid comes next)
+                      spawning TICKS            COMMAND is about to start (its pid comes next);
+                                                TICKS: now, on the clock of /proc's start times
                       started PID STAMP         COMMAND (or the Lock's process) runs
                       exited STATUS|unknown     it ended: record, release, hand over
 """
@@ -70,6 +71,8 @@ class Message:
             return f"{ERROR} {self.code.name} {self.text}"
         if k == STARTED:
             return f"{STARTED} {self.pid} {self.stamp}"
+        if k == SPAWNING:
+            return f"{SPAWNING} {self.stamp}"
         if k == EXITED:
             return f"{EXITED} {'unknown' if self.status is None else self.status}"
         return k
@@ -114,6 +117,10 @@ def error(code: ExitCode, text: str) -> Message:
     return Message(ERROR, code=code, text=text.replace("\n", " "))
 
 
+def spawning(stamp: int) -> Message:
+    return Message(SPAWNING, stamp=stamp)
+
+
 def started(pid: int, stamp: int) -> Message:
     return Message(STARTED, pid=pid, stamp=stamp)
 
@@ -142,7 +149,9 @@ def decode(line: str) -> Message:
             return Message(STARTED, pid=int(pid), stamp=int(stamp))
         if word == EXITED:
             return Message(EXITED, status=None if rest == "unknown" else int(rest))
-        if word in (QUEUED, RELEASED, ENDED, SPAWNING) and not rest:
+        if word == SPAWNING and rest.isascii() and rest.isdigit():
+            return Message(SPAWNING, stamp=int(rest))
+        if word in (QUEUED, RELEASED, ENDED) and not rest:
             return Message(word)
     except (ValueError, KeyError):
         pass

@@ -27,12 +27,41 @@ class Terminal:
         except OSError:
             pass
 
+    def spawn(self, argv: list[str], env: dict[str, str], sigdef: tuple[int, ...]) -> int:
+        """COMMAND in a process group of its own that owns the terminal before COMMAND's first
+        instruction, as a shell's child does (both it and the shell call setpgid and tcsetpgrp,
+        so whichever runs first, it is so). Handed the terminal after posix_spawn returned, a
+        COMMAND quick to read did so as a background group: where SIGTTIN is ignored (a caller
+        may leave it so to its children) the read failed (EIO) instead of waiting. posix_spawn
+        runs no code of ours in the child, so this path forks; it is the terminal's only. The
+        child's exec error (its errno) comes back over a close-on-exec pipe, raised here as
+        posix_spawnp raises it: 126/127 and their one line as before."""
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _exec_in_foreground(self.fd, argv, env, sigdef, report_w)
+            os.close(report_w)
+            report_w = -1
+            with contextlib.suppress(OSError):  # whichever of us comes first; EACCES once it exec'd
+                os.setpgid(pid, pid)
+            report = _read_to_eof(report_r)  # EOF: it exec'd COMMAND (or died)
+        finally:
+            os.close(report_r)
+            if report_w >= 0:
+                os.close(report_w)
+        if report:
+            os.waitpid(pid, 0)
+            errno = int.from_bytes(report[:4], "little")
+            raise OSError(errno, os.strerror(errno))  # FileNotFoundError for ENOENT, as posix_spawnp
+        return pid
+
     def give(self, pgid: int) -> None:
+        """Back to COMMAND's group, stopped with us (^Z), as ``fg`` continues us: it continues too."""
         if self.fd < 0:
             return
         with contextlib.suppress(OSError):
             os.tcsetpgrp(self.fd, pgid)
-        # It may have tried the terminal before it was its own (and been stopped for it).
         _killpg(pgid, signal.SIGCONT)
 
     def take_back(self) -> None:
@@ -50,3 +79,33 @@ class Terminal:
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _exec_in_foreground(tty: int, argv: list[str], env: dict[str, str], sigdef: tuple[int, ...], report: int) -> None:
+    """In the forked child; never returns. The wrapper has one thread, so its child may run
+    Python after the fork; it keeps to a few system calls. PATH is searched as COMMAND's
+    environment has it (ours, with PEARING_* added), the errors as posix_spawnp's."""
+    code = 127
+    try:
+        os.setpgid(0, 0)
+        # A background group asking for the foreground gets SIGTTOU unless it is blocked.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+        with contextlib.suppress(OSError):  # a terminal hung up meanwhile: COMMAND runs anyway
+            os.tcsetpgrp(tty, os.getpid())
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig in sigdef:
+            signal.signal(sig, signal.SIG_DFL)
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        with contextlib.suppress(OSError):
+            os.write(report, (exc.errno or 0).to_bytes(4, "little"))
+    finally:
+        os._exit(code)
+
+
+def _read_to_eof(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 64):
+        data += chunk
+    return data
