@@ -46,7 +46,7 @@ Faults (NEMESIS_FAULTS, comma-separated, or ``all``):
                       (tests/hostile_peer.py), then the real members (a store with a member list only)
 
 A run that exits busy after its COMMAND started was cancelled: it must have opted in, its
-COMMAND must not have succeeded, and the next COMMAND must be a newer opted-in run's (SPEC
+COMMAND must not have succeeded, and the next COMMAND must be a newer run's (SPEC
 15: a cancel whose newcomer left is withdrawn, the work is never lost).
 
 A ``stop-*`` fault sends SIGSTOP and, after a pause drawn around the lease (sometimes
@@ -848,7 +848,7 @@ def check_exits(cs: list[Contender], v: Verdict) -> None:
 
 def check_cancels(cs: list[Contender], steps: list[Step], v: Verdict) -> None:
     """A run that exits busy after its COMMAND started was cancelled (SPEC 15): it opted in,
-    its COMMAND had not succeeded, and a newer opted-in run held the lock next (a cancel whose
+    its COMMAND had not succeeded, and a newer run held the lock next (a cancel whose
     newcomer left before taking the lock is withdrawn: the work is never lost)."""
     order = sorted(steps, key=lambda s: s.start_ns)
     for c in cs:
@@ -863,7 +863,8 @@ def check_cancels(cs: list[Contender], steps: list[Step], v: Verdict) -> None:
             why = "it never opted in to --cancel-in-progress"
         elif s.how == "done":
             why = "its COMMAND had succeeded"
-        elif by is None or not by.cancel or after is None or after.fence <= s.fence:
+        elif by is None or by.cid < c.cid or after is None or after.fence <= s.fence:
+            # Not necessarily the canceller: FIFO waiters ahead of it go first.
             newer = f"contender {after.cid} (fence {after.fence})" if after is not None else "nobody"
             why = f"the next holder was {newer}, not a newer run that cancelled it: the work was lost"
         if why:
