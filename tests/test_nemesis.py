@@ -533,6 +533,11 @@ class Nemesis:
         forks = self.forks and as_lock and forks
         cancel = self.cancels and cancel and not as_lock
         hostile = hostile if self.peer else None
+        if as_lock:
+            # A Lock's waiting ticket lives on its owner's heartbeats (every third of the lease):
+            # 1.5 s left a starved owner (a load of 8 on 2 cores) its place lost, a lease
+            # doing its job, not a fault the campaign injects.
+            lease = max(lease, 3.0)
         if forks:  # the parent stays in its block well past the child's exit
             hold = max(hold, fork_after + 1.0)
         # -v makes pearing-run write to stderr: with fd 2 closed that is a fault of its own.
