@@ -37,6 +37,17 @@ Faults (NEMESIS_FAULTS, comma-separated, or ``all``):
     closed-stdio      a share of the contenders start with fds 0-2 closed
     manual-heartbeat  a share of the contenders run --heartbeat manual, heartbeating every lease/3
     hang-heartbeat    a share of those stop heartbeating (a hung agent; implies manual-heartbeat)
+    kill-lock-waiting kill-lock-holding   a Python ``Lock`` owner (tests/nemesis_lock.py, a share
+                      of the contenders whenever a lock-* kind is on) waiting in line / in its block
+    fork-in-block     a share of the Lock owners fork in the block; the child leaves it first
+    kill-cancel-newcomer  a share of the pearing-runs opt in with --cancel-in-progress (as holders
+                      and as newcomers); some are killed right after they start, their cancel in flight
+    hostile-peer      a share of the contenders list a hostile peer first in the backend URL
+                      (tests/hostile_peer.py), then the real members (a store with a member list only)
+
+A run that exits busy after its COMMAND started was cancelled: it must have opted in, its
+COMMAND must not have succeeded, and the next COMMAND must be a newer run's (SPEC
+15: a cancel whose newcomer left is withdrawn, the work is never lost).
 
 A ``stop-*`` fault sends SIGSTOP and, after a pause drawn around the lease (sometimes
 well past it), SIGCONT. By default a round runs every kind except those in KNOWN_BUGS for
@@ -72,6 +83,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import nemesis_command
@@ -79,6 +91,7 @@ import pytest
 from caps import Caps, caps_of
 from etcd_cluster import Cluster
 from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, ticket_records, wait_for
+from hostile_peer import HostilePeer
 
 from singleflight.core import proc as _proc
 from singleflight.core.const import ENV_BACKEND, ExitCode
@@ -87,6 +100,7 @@ SEED = int(os.environ.get("NEMESIS_SEED", "20260214"))
 STORM_SECONDS = float(os.environ.get("NEMESIS_SECONDS", "45"))
 SOAK_SECONDS = float(os.environ.get("PEARING_SOAK_SECONDS", "0"))
 COMMAND = str(Path(__file__).with_name("nemesis_command.py"))
+LOCK_OWNER = str(Path(__file__).with_name("nemesis_lock.py"))
 PROBE = 9999  # the contender id of the run that checks the lock is free after the final fault
 
 SIGNALLED = ("wrapper", "holder", "waiter")
@@ -98,8 +112,28 @@ FAULTS = (
     "closed-stdio",
     "manual-heartbeat",
     "hang-heartbeat",
+    "kill-lock-waiting",
+    "kill-lock-holding",
+    "fork-in-block",
+    "kill-cancel-newcomer",
+    "hostile-peer",
 )
-WORKLOAD = ("closed-stdio", "manual-heartbeat", "hang-heartbeat")  # how contenders start, not signals
+# How contenders start, not signals picked at random (a newcomer's kill is scheduled at its start).
+WORKLOAD = (
+    "closed-stdio",
+    "manual-heartbeat",
+    "hang-heartbeat",
+    "fork-in-block",
+    "kill-cancel-newcomer",
+    "hostile-peer",
+)
+LOCK_KINDS = ("kill-lock-waiting", "kill-lock-holding", "fork-in-block")
+# Kinds a backend can host only with a capability: a hostile member needs a member list (a store
+# reached over the network, which several hosts share).
+NEEDS: dict[str, Callable[[Caps], bool]] = {"hostile-peer": lambda caps: caps.shared_by_hosts}
+# Answers of a wrong peer that fail fast; ``drip`` costs a request timeout per call, longer than
+# the campaign's short leases allow a renewal (tests/test_etcd_hostile.py covers it alone).
+HOSTILE = ("hello", "{}", "[]", '{"header": {}}', "proxy-502")
 # Fault kinds that break an invariant today, per backend, with the tests that show each alone.
 # A default round leaves them out; when a fix lands, delete the entry and the xfail marker.
 KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -111,15 +145,17 @@ KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
 def fault_kinds(backend: str) -> tuple[list[str], list[str]]:
     """(kinds this round injects, known-bug kinds it leaves out) from NEMESIS_FAULTS."""
     raw = os.environ.get("NEMESIS_FAULTS", "").strip()
+    caps = caps_of(backend)
+    able = [k for k in FAULTS if k not in NEEDS or NEEDS[k](caps)]
     if raw == "all":
-        return list(FAULTS), []
+        return able, []
     if raw:
         kinds = [k.strip() for k in raw.split(",") if k.strip()]
         unknown = sorted(set(kinds) - set(FAULTS))
         assert not unknown, f"NEMESIS_FAULTS: unknown kinds {unknown}; known: {', '.join(FAULTS)}"
-        return kinds, []
+        return [k for k in kinds if k in able], []
     known = KNOWN_BUGS[backend]
-    return [k for k in FAULTS if k not in known], sorted(known)
+    return [k for k in able if k not in known], sorted(known)
 
 
 # -- /proc ----------------------------------------------------------------------------------
@@ -325,11 +361,12 @@ class Verdict:
     writes: list[str] = dataclasses.field(default_factory=list)
     exits: list[str] = dataclasses.field(default_factory=list)
     stalls: list[str] = dataclasses.field(default_factory=list)
+    cancels: list[str] = dataclasses.field(default_factory=list)
     trailing: int = 0  # guarded writes that landed after their COMMAND died, before a newer one
     involved: set[int] = dataclasses.field(default_factory=set)  # contenders named by a violation
 
     def violations(self) -> list[str]:
-        return [*self.overlaps, *self.fences, *self.writes, *self.exits, *self.stalls]
+        return [*self.overlaps, *self.fences, *self.writes, *self.exits, *self.stalls, *self.cancels]
 
 
 def check(steps: list[Step], writes: list[Write], t0: int = 0) -> Verdict:
@@ -392,6 +429,9 @@ class Contender:
     err: Path
     holder: tuple[int, int] | None = None
     faults: list[str] = dataclasses.field(default_factory=list)
+    lock: bool = False  # a Python Lock owner: no wrapper, no holder process of its own to find
+    cancel: bool = False  # --cancel-in-progress
+    kill_at: float | None = None  # a newcomer killed while its cancel is in flight
 
     @property
     def pid(self) -> int:
@@ -431,6 +471,11 @@ class Nemesis:
         self.closed_stdio = "closed-stdio" in kinds
         self.hang = "hang-heartbeat" in kinds
         self.manual = self.hang or "manual-heartbeat" in kinds
+        self.locks = any(k in kinds for k in LOCK_KINDS)
+        self.forks = "fork-in-block" in kinds
+        self.cancels = "kill-cancel-newcomer" in kinds
+        self.peer = HostilePeer() if "hostile-peer" in kinds else None
+        self.hostile = {k: self.peer.start(k) for k in HOSTILE} if self.peer else {}
         self.job = f"nem-{uuid.uuid4().hex[:12]}"
         self.log = work / f"{self.job}.log"
         # Separate streams: contender plans and the fault schedule are the same for a seed
@@ -480,6 +525,21 @@ class Nemesis:
                 hb += f":{hang:.2f}"
                 hold = max(hold, hang + lease + 1.0)
         closed = self.closed_stdio and r.random() < 0.15
+        # Drawn every time, so each share's choice does not shift the others' with the kinds on.
+        as_lock, forks, fork_after = r.random() < 0.25, r.random() < 0.4, r.uniform(0.05, 0.5)
+        cancel, killed, kill_after = r.random() < 0.2, r.random() < 0.5, r.uniform(0.2, 0.9)
+        hostile = r.choice(HOSTILE) if r.random() < 0.3 else None
+        as_lock = self.locks and as_lock and not flags and not closed
+        forks = self.forks and as_lock and forks
+        cancel = self.cancels and cancel and not as_lock
+        hostile = hostile if self.peer else None
+        if as_lock:
+            # A Lock's waiting ticket lives on its owner's heartbeats (every third of the lease):
+            # 1.5 s left a starved owner (a load of 8 on 2 cores) its place lost, a lease
+            # doing its job, not a fault the campaign injects.
+            lease = max(lease, 3.0)
+        if forks:  # the parent stays in its block well past the child's exit
+            hold = max(hold, fork_after + 1.0)
         # -v makes pearing-run write to stderr: with fd 2 closed that is a fault of its own.
         verbose = ["-v"] if not closed or r.random() < 0.3 else []
         plan = [
@@ -497,12 +557,19 @@ class Nemesis:
         ident = f"{self.job}.c{cid}"
         args = ["--job", self.job, "--identity", ident, *verbose, "--lease-seconds", f"{lease:g}"]
         args += ["--wait-seconds", f"{wait:g}", "--kill-grace", f"{grace:g}", *flags]
+        args += ["--cancel-in-progress"] if cancel else []
         command = [sys.executable, "-S", COMMAND, "run", str(self.log), str(cid), *plan]
         argv = [PEARING_RUN, *args, "--", *command]
+        if as_lock:
+            lock_args = [str(self.log), str(cid), self.job, ident, f"{lease:g}", f"{wait:g}"]
+            argv = [sys.executable, LOCK_OWNER, *lock_args, f"{fork_after if forks else 0:.2f}", *plan]
         if closed:
             argv = ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', *argv]
+        env = dict(self.env)
+        if hostile is not None:
+            env[ENV_BACKEND] = f"etcd://127.0.0.1:{self.hostile[hostile]}," + env[ENV_BACKEND].partition("://")[2]
         with (self.work / f"{self.job}.c{cid}.err").open("wb") as err:
-            p = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=err)
+            p = self.procs.start(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
         c = Contender(
             cid=cid,
             popen=p,
@@ -514,15 +581,23 @@ class Nemesis:
             grace=grace,
             closed_stdio=closed,
             err=self.work / f"{self.job}.c{cid}.err",
+            lock=as_lock,
+            cancel=cancel,
+            kill_at=time.monotonic() + kill_after if cancel and killed else None,
         )
         chosen_kinds = (
             ("closed-stdio", closed),
             ("manual-heartbeat", bool(flags)),
             ("hang-heartbeat", hung and self.hang),
+            ("lock-owner", as_lock),
+            ("fork-in-block", forks),
+            ("cancel-in-progress", cancel),
+            ("hostile-peer", hostile is not None),
         )
         for kind, chosen in chosen_kinds:
             if chosen:
-                c.faults.append(f"{kind}@{c.spawned - self.t0:.3f}s")
+                what = f"{kind} {hostile}" if kind == "hostile-peer" else kind
+                c.faults.append(f"{what}@{c.spawned - self.t0:.3f}s")
                 self.faults[kind] += 1
         self.contenders.append(c)
         return c
@@ -534,7 +609,7 @@ class Nemesis:
 
     def discover_holders(self) -> None:
         for c in self.alive():
-            if c.holder is None:
+            if c.holder is None and not c.lock:
                 c.holder = find_holder(c.pid, c.marks)
 
     def holders(self) -> list[Contender]:
@@ -566,6 +641,7 @@ class Nemesis:
         sig = signal.SIGKILL if verb == "kill" else signal.SIGSTOP
         if who.startswith("command"):
             live = [s for s in self.watcher.live() if not any(f.pid == s.pid for f in self.frozen)]
+            live = [s for s in live if s.cid == PROBE or not self.contenders[s.cid].lock]  # kill-lock-holding's
             if not live:
                 self.missed[kind] += 1
                 return
@@ -577,9 +653,28 @@ class Nemesis:
                 return
             self.note(kind, c, step.pid, factor * c.lease if verb == "stop" else None, step.stime, group)
             return
+        if who.startswith("lock"):
+            if who == "lock-waiting":
+                waiting = self.waiting_pids()
+                pool = [c for c in self.alive() if c.lock and c.pid in waiting]
+            else:
+                pool = [self.contenders[s.cid] for s in self.watcher.live() if self.contenders[s.cid].lock]
+            pool = [c for c in pool if c.alive()]
+            if not pool:
+                self.missed[kind] += 1
+                return
+            c = self.rng_target.choice(pool)
+            if kill_exact(c.pid, c.stime or 0, signal.SIGKILL):
+                self.note(kind, c, c.pid, None, c.stime or 0, group=False)
+                if who == "lock-waiting":
+                    self._waiter_killed = time.monotonic()
+            else:
+                self.missed[kind] += 1
+            return
         if who == "waiter":
             waiting = self.waiting_pids()
-            pool = [c for c in self.alive() if c.pid in waiting and c.holder is None and not self.is_frozen(c)]
+            pool = [c for c in self.alive() if c.pid in waiting and not c.lock and c.holder is None]
+            pool = [c for c in pool if not self.is_frozen(c)]
         else:
             pool = [c for c in self.holders() if not self.is_frozen(c) and (who == "holder" or c.alive())]
             # The SPEC's promise is for a fault of one process: once a run's wrapper or holder
@@ -604,6 +699,18 @@ class Nemesis:
         if who == "waiter" and length == "long":  # past its own deadline by more than a stall
             pause = max(0.0, c.spawned + c.wait - time.monotonic()) + self.bound + factor
         self.note(kind, c, pid, pause if verb == "stop" else None, stime, group=False)
+
+    def kill_newcomer(self, c: Contender) -> None:
+        """kill -9 an opted-in run that has not started COMMAND yet: it may be cancelling the holder."""
+        c.kill_at = None
+        kind = "kill-cancel-newcomer"
+        if c.holder is not None or any(s.cid == c.cid for s in self.watcher.steps) or self.is_frozen(c):
+            self.missed[kind] += 1
+        elif kill_exact(c.pid, c.stime or 0, signal.SIGKILL):
+            self.note(kind, c, c.pid, None, c.stime or 0, group=False)
+            self._waiter_killed = time.monotonic()
+        else:
+            self.missed[kind] += 1
 
     def signal(self, pid: int, stime: int, sig: int, group: bool) -> bool:
         if not group:
@@ -689,11 +796,14 @@ class Nemesis:
                 next_spawn = now + self.rng_plan.uniform(0.3, 1.2)
                 target = self.rng_plan.randint(8, 12)
             self.discover_holders()
+            for c in [c for c in self.contenders if c.kill_at is not None and c.kill_at <= now]:
+                self.kill_newcomer(c)
             if self.kinds and now >= next_fault:
                 self.inject(self.rng_fault.choice(self.kinds))
                 next_fault = now + self.rng_fault.uniform(0.4, 1.6)
             self.sample_idle()
-            wake = min([next_spawn, next_fault, end, *(f.resume_at for f in self.frozen)])
+            kills = [c.kill_at for c in self.contenders if c.kill_at is not None]
+            wake = min([next_spawn, next_fault, end, *kills, *(f.resume_at for f in self.frozen)])
             time.sleep(min(max(wake - time.monotonic(), 0.0), 0.02))  # the schedule's tick
 
     def final_fault(self) -> float:
@@ -730,7 +840,8 @@ def check_exits(cs: list[Contender], v: Verdict) -> None:
     only when the holder was killed before it reported ready."""
     for c in cs:
         allowed = {0, nemesis_command.REFUSED, int(ExitCode.BUSY), int(ExitCode.LEASE_LOST), 128 + 9, 128 + 15}
-        if any(f.startswith(("kill-wrapper", "kill-waiter", "final")) for f in c.faults):
+        killed = ("kill-wrapper", "kill-waiter", "kill-lock", "kill-cancel-newcomer", "final")
+        if any(f.startswith(killed) for f in c.faults):
             allowed.add(-9)
         if any(f.startswith("kill-holder") for f in c.faults):
             allowed.add(int(ExitCode.SOFTWARE))
@@ -738,6 +849,32 @@ def check_exits(cs: list[Contender], v: Verdict) -> None:
             err = c.err.read_text(errors="replace").strip() if c.err.exists() else ""
             v.exits.append(f"contender {c.cid} exited {c.popen.returncode}; stderr: {err[-300:] or 'nothing'!r}")
             v.involved.add(c.cid)
+
+
+def check_cancels(cs: list[Contender], steps: list[Step], v: Verdict) -> None:
+    """A run that exits busy after its COMMAND started was cancelled (SPEC 15): it opted in,
+    its COMMAND had not succeeded, and a newer run held the lock next (a cancel whose
+    newcomer left before taking the lock is withdrawn: the work is never lost)."""
+    order = sorted(steps, key=lambda s: s.start_ns)
+    for c in cs:
+        own = [i for i, s in enumerate(order) if s.cid == c.cid]
+        if c.popen.returncode != ExitCode.BUSY or not own:
+            continue
+        s = order[own[0]]
+        after = order[own[0] + 1] if own[0] + 1 < len(order) else None
+        by = cs[after.cid] if after is not None and after.cid != PROBE else None
+        why = ""
+        if not c.cancel:
+            why = "it never opted in to --cancel-in-progress"
+        elif s.how == "done":
+            why = "its COMMAND had succeeded"
+        elif by is None or by.cid < c.cid or after is None or after.fence <= s.fence:
+            # Not necessarily the canceller: FIFO waiters ahead of it go first.
+            newer = f"contender {after.cid} (fence {after.fence})" if after is not None else "nobody"
+            why = f"the next holder was {newer}, not a newer run that cancelled it: the work was lost"
+        if why:
+            v.cancels.append(f"contender {c.cid} (fence {s.fence}) exited busy after its COMMAND started: {why}")
+            v.involved |= {c.cid} | ({after.cid} if after is not None else set())
 
 
 def check_stalls(n: Nemesis, v: Verdict) -> None:
@@ -781,9 +918,12 @@ def one_round(backend: str, procs: Procs, env: dict[str, str], work: Path, seed:
         n.watcher.finish(timeout=30)
     finally:
         n.watcher.stop()
+        if n.peer is not None:
+            n.peer.stop()
     w = n.watcher
     v = check(w.steps, w.writes, int(n.t0 * 1e9))
     check_exits(n.contenders, v)
+    check_cancels(n.contenders, w.steps, v)
     check_stalls(n, v)
     problems = [*v.violations(), *w.problems]
     if recovered > n.bound:
@@ -796,7 +936,8 @@ def one_round(backend: str, procs: Procs, env: dict[str, str], work: Path, seed:
         f"duplicate_fences={sum('issued twice' in x for x in v.fences)} "
         f"falling_fences={sum('fell from' in x for x in v.fences)} "
         f"bad_writes={len(v.writes)} trailing_writes={v.trailing} "
-        f"bad_exits={len(v.exits)} stalls={len(v.stalls)} recovery={recovered:.2f}s(bound {n.bound:g}s) "
+        f"bad_exits={len(v.exits)} lost_work={len(v.cancels)} stalls={len(v.stalls)} "
+        f"recovery={recovered:.2f}s(bound {n.bound:g}s) "
         f"round={time.monotonic() - started:.1f}s" + (f" left_out={left_out}" if left_out else "")
     )
     for cid in sorted(v.involved - {PROBE}):
