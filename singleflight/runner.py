@@ -35,6 +35,7 @@ from singleflight.core.log import Log
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket, new_uuid4
 from singleflight.rules import requests
+from singleflight.runmetrics import RunMetrics
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip
@@ -54,6 +55,7 @@ class Runner:
         self.holder_pid = 0
         self.grip: Grip | None = None
         self.started_mono = 0.0
+        self.metrics = RunMetrics(opts.metrics_dir, opts.repo, opts.job, self.log)
         # The holder forked as the run started to wait, where a grip can be handed over later.
         self.standby: Channel | None = None
 
@@ -134,24 +136,9 @@ class Runner:
         self._metric("deduplicated")
         return True
 
-    def _metric(self, event: Event, *, exit_code: int | None = None, duration: float | None = None) -> None:
-        """--metrics-dir: best effort; a failed write is one line and never the exit status."""
-        if self.o.metrics_dir is None:
-            return
-        from singleflight.core import metrics
-
-        try:
-            metrics.record(
-                self.o.metrics_dir,
-                self.o.repo,
-                self.o.job,
-                event,
-                now=time.time(),
-                exit_code=exit_code,
-                duration=duration,
-            )
-        except metrics.MetricsError as exc:
-            self.log.error(str(exc))
+    def _metric(self, event: Event) -> None:
+        """--metrics-dir: best effort, never the exit status (``runmetrics``; the end: ``_finish``)."""
+        self.metrics.record(event, holding=self.grip is not None)
 
     def _acquire(self) -> Grip | None:
         o, lk, tid = self.o, self.lk, self.ticket.ticket_id
@@ -321,10 +308,7 @@ class Runner:
         # A holder that lost the lease says so before it stops COMMAND: that word is in the
         # pipe already when COMMAND's death is seen first, and the end recorded must agree.
         self._heard_lost(chan)
-        if ran:
-            # Before the release: the next holder's "start" must land after this "end".
-            code = self._lost_code() if self.lost else exit_code
-            self._metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
+        ended, duration = time.time(), time.monotonic() - self.started_mono
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
             if msg.loss is not None and self.lost is None:
@@ -340,10 +324,13 @@ class Runner:
             self.grip.release()  # no holder to do it, and COMMAND is dead
         chan.close()
         _reap(self.holder_pid)
-        if self.lost:
-            return self._lost_code()
-        self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
-        return exit_code
+        code = self._lost_code() if self.lost else exit_code
+        if not self.lost:
+            self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
+        # The outcome is settled (request recorded, lock released): a metrics write that waits
+        # for its lock now can no longer let the lease lapse into a 124 (SPEC 14).
+        self.metrics.after_release((ended, duration, code) if ran else None)
+        return code
 
     def _let_go(self) -> None:
         """COMMAND is dead: our share of the lock goes; the holder's share hands it over."""
