@@ -7,8 +7,8 @@ holder's ticket. The work is never lost to it:
 - a newcomer that leaves before taking the lock (its wait ran out, ^C) takes its request
   back (``withdraw``), unless the holder has acted on it already: the holder's run is then
   being stopped for the newcomer, which keeps its place until that run is gone;
-- one that cannot take it back (kill -9) no longer waits in line, and a holder acts only on
-  a request whose newcomer still does (``stands``), judged once no guarded command of its
+- one that cannot take it back (kill -9) no longer waits, and a holder acts only on a
+  request whose newcomer still does (``stands``), judged once no guarded command of its
   ticket is in flight and in the same step as its token dies (``LockOps.end_superseded``),
   so no withdrawal can slip in between;
 - a holder whose COMMAND has ended has nothing left to cancel: its run ends as it would have.
@@ -45,9 +45,11 @@ class Asked:
 
 
 def stands(lk: LockOps, by: str) -> bool:
-    """Does the newcomer ``by`` still wait in line, its process alive?"""
+    """Does the newcomer ``by`` still wait, its process alive? (Its ticket, not its entry in line:
+    the lock dir publishes an entry's deadline a moment after the entry, and a newcomer caught
+    between its wait and its withdrawal is still waiting: it then keeps its place, ``withdraw``.)"""
     t = lk.read(by)
-    return t is not None and t.state == WAITING and not lk.orphaned(t) and lk.position(t) is not None
+    return t is not None and t.state == WAITING and not lk.orphaned(t)
 
 
 def target(lk: LockOps, ticket: Ticket) -> Asked | None:
