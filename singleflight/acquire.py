@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING
 
 from singleflight.core.const import CANCELLED
 from singleflight.core.errors import PearingError
+from singleflight.rules import events
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip, LockOps
     from singleflight.core.ticket import Ticket
-
-# A newcomer that cancelled an opted-in holder waits at least its kill grace and this much more.
-_CANCEL_SLACK = 5.0
 
 
 def acquire(
@@ -32,18 +30,19 @@ def acquire(
 
     Waits until ``until`` (monotonic) at most, and no longer than ``ticket_deadline()`` (the
     waiting ticket's lease; 0 once it was released or superseded). A ticket that opted in to
-    cancel-in-progress first asks an opted-in holder to stop, and then waits at least that
-    holder's kill grace and a few seconds. ``ticket.queue_mode`` ``latest`` replaces the older
-    ``latest`` waiters (the backend's ``queue``). None when busy or when the wait ran out; the
-    ticket is then ended as cancelled with ``timeout_reason`` (unless it was superseded).
+    cancel-in-progress asks an opted-in holder to stop once it is in line, and then waits at
+    least that holder's kill grace and a few seconds; leaving without the lock, it takes its
+    request back, or, if the holder acted on it already, keeps its place until that run is
+    gone (``rules.events``). ``ticket.queue_mode`` ``latest`` replaces the older ``latest``
+    waiters (the backend's ``queue``). None when busy or when the wait ran out; the ticket is
+    then ended as cancelled with ``timeout_reason`` (unless it was superseded).
     """
     place = lk.enter(ticket)
     if place.grip is not None:
         return place.grip
-    if ticket.cancel_in_progress:
-        grace = lk.cancel_holder(ticket)
-        if grace is not None:
-            until = max(until, time.monotonic() + grace + _CANCEL_SLACK)
+    holder = events.target(lk, ticket) if ticket.cancel_in_progress else None
+    if holder is not None:
+        until = max(until, time.monotonic() + holder.grace + events.SLACK)
     if until <= time.monotonic():
         place.leave()
         return None
@@ -57,15 +56,33 @@ def acquire(
     import secrets  # noqa: F401
     import select  # noqa: F401
 
-    from singleflight import holder  # noqa: F401
+    from singleflight import holder as _holder  # noqa: F401
 
     grip = None
+    asked = None
     try:
         on_queued(place.queue(deadline()))
+        # Asked once we are in line: a holder acts only on a request whose newcomer waits there.
+        asked = events.ask(lk, ticket, holder) if holder is not None else None
         grip = place.wait(deadline)
+        while grip is None and asked is not None:
+            more = 0.0
+            with contextlib.suppress(PearingError):  # not taken back: our leaving the line says it
+                more = events.withdraw(lk, ticket, asked)
+            if more <= 0 or ticket_deadline() <= time.monotonic():
+                break
+            # Its run is being stopped for us: whatever our own wait, we take the lock after it,
+            # or neither run would do the work.
+            until = time.monotonic() + more
+            grip = place.wait(deadline)
         if grip is None:
             with contextlib.suppress(PearingError):
                 lk.end(ticket.ticket_id, CANCELLED, timeout_reason, only_if_held=False)
+    except BaseException:
+        if asked is not None and grip is None:  # ^C: our request goes with us
+            with contextlib.suppress(PearingError):
+                events.withdraw(lk, ticket, asked)
+        raise
     finally:
         place.leave()
     return grip

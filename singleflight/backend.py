@@ -159,9 +159,22 @@ class LockOps(Protocol):
 
     def enter(self, ticket: Ticket) -> Place: ...
 
-    def cancel_holder(self, ticket: Ticket) -> float | None:
-        """--cancel-in-progress: if the holder opted in too, ask it to stop (its token dies
-        first, then its COMMAND) and return its kill grace; None if it did not opt in."""
+    # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
+    def holder_record(self) -> tuple[Ticket, Any] | None:
+        """The ticket first in line, as recorded now (its token may have died already), and
+        what ``mark_superseded`` compares with. None: nobody holds, or another client's key."""
+
+    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
+        """Compare-and-set of the holder's ``superseded_by`` (None clears it), only while its
+        record is live and still as ``seen``. A holder newly asked is told at once."""
+
+    def end_superseded(
+        self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
+    ) -> str | None:
+        """In the holder of ``lease``, asked to stop: once no guarded command of its ticket is in
+        flight (``keep`` called every ``every`` s meanwhile), read the request its ticket carries
+        and, in the same step, end its token for it if ``stands(by)``, else clear it. The
+        requester it ended for; None when none stood (or the lease is being lost anyway)."""
 
     def take(self, grip: Any, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[Lease, Taken]:
         """In the holder: issue the fence, mint the token, write the token file.

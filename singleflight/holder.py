@@ -22,6 +22,7 @@ from singleflight.core.const import ENV_TOKEN, EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
+from singleflight.rules import events
 from singleflight.rules.requests import record_end
 
 if TYPE_CHECKING:
@@ -159,6 +160,9 @@ class Holder:
             finally:
                 if news is not None:
                     poller.unregister(news)
+            # COMMAND's end first: a cancel request (a poke, the watch) that came in the same
+            # wake-up must find it ended, and a run whose COMMAND already exited is not cancelled.
+            ready.sort(key=lambda r: r[0] in (self.wake_r, news))
             for fd, _ev in ready:
                 if fd == self.wake_r:
                     self._on_signals(os.read(self.wake_r, 64))
@@ -270,10 +274,36 @@ class Holder:
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
         lost = self.lease.check()
+        if lost is not None and lost.superseded:
+            lost = self._superseded()
         if lost is not None and lost.released and (self.cmd_pid is None or not self.cfg.owned_by_wrapper):
             self.finish_released()  # pearing-cli release-lock-ticket
         if lost is not None:
             self.lose(lost)
+
+    def _superseded(self) -> Loss | None:
+        """A newer run that opted in asked us to stop: the loss, or None when no request stands
+        once our guarded commands are done (``rules.events.act``: its newcomer left or died,
+        or our COMMAND has ended, and then the run ends as it would have: a success is one)."""
+        by = events.act(self.lk, self.lease, command_ended=self._command_ended, keep=self._keep_guarded)
+        if by is None:
+            # Cleared in the store: a renewal must not write our copy of the request back.
+            self.lease.ticket.superseded_by = None
+            return None
+        return Loss(EndReason.SUPERSEDED, by)
+
+    def _command_ended(self) -> bool:
+        """Has COMMAND (a Lock's block) ended, even if the loop has not seen its pidfd yet?"""
+        if self.cmd_done:
+            return True
+        return self.cmd_fd is not None and bool(select.select([self.cmd_fd], [], [], 0)[0])
+
+    def _keep_guarded(self) -> None:
+        """While a cancel waits for our guarded commands: the lease as the loop would keep it."""
+        if self._renewing():
+            self.lease.renew()
+        else:
+            self.lease.keep()
 
     # -- endings -----------------------------------------------------------
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from singleflight.core import fault, protocol
@@ -21,14 +20,13 @@ if TYPE_CHECKING:
     from singleflight.core.log import Log
     from singleflight.core.protocol import Channel
     from singleflight.core.ticket import Ticket
+    from singleflight.runmetrics import RunMetrics
     from singleflight.runopts import RunOptions
-
-    Metric = Callable[..., None]
 
 
 class HeldRun:
-    def __init__(self, o: RunOptions, log: Log, lk: LockOps, ticket: Ticket, *, metric: Metric) -> None:
-        self.o, self.log, self.lk, self.ticket, self.metric = o, log, lk, ticket, metric
+    def __init__(self, o: RunOptions, log: Log, lk: LockOps, ticket: Ticket, *, metrics: RunMetrics) -> None:
+        self.o, self.log, self.lk, self.ticket, self.metrics = o, log, lk, ticket, metrics
         self.child: Child | None = None
         self.lost: Loss | None = None
         self.grip: Grip | None = None
@@ -73,7 +71,7 @@ class HeldRun:
                 return self._finish(chan, 1, self._lost_code(), ran=False)
             if status == 0:
                 self.log.event("skipped", lock=o.job, reason="skip-if said done")
-                self.metric("deduplicated")
+                self.metrics.record("deduplicated", holding=True)
                 return self._finish(chan, 0, 0, ran=False)
         if not self._heard_lost(chan) and not grip.still_ours():
             # Wrapper and holder both frozen past an etcd lease's TTL: it may have lapsed, and
@@ -84,7 +82,7 @@ class HeldRun:
             # start, a lease shorter than our start-up): never start it.
             return self._finish(chan, 1, self._lost_code(), ran=False)
         self.started_mono = time.monotonic()
-        self.metric("start")
+        self.metrics.record("start", holding=True)
         pid = child.spawn(o.command, env, chan)
         if pid < 0:
             return self._finish(chan, -pid, -pid)
@@ -140,7 +138,7 @@ class HeldRun:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
             self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
         self.log.event("lease-lost", lock=self.o.job, reason=loss.text)
-        self.metric("lease_lost")
+        self.metrics.record("lease_lost", holding=True)
 
     def _lost_code(self) -> int:
         """124, or the busy code when a newer opted-in run cancelled us."""
@@ -171,10 +169,7 @@ class HeldRun:
         # A holder that lost the lease says so before it stops COMMAND: that word is in the
         # pipe already when COMMAND's death is seen first, and the end recorded must agree.
         self._heard_lost(chan)
-        if ran:
-            # Before the release: the next holder's "start" must land after this "end".
-            code = self._lost_code() if self.lost else exit_code
-            self.metric("end", exit_code=code, duration=time.monotonic() - self.started_mono)
+        ended, duration = time.time(), time.monotonic() - self.started_mono
         chan.send(protocol.exited(status))
         while (msg := chan.recv()) is not None and msg.kind != protocol.RELEASED:
             if msg.loss is not None and self.lost is None:
@@ -190,10 +185,13 @@ class HeldRun:
             self.grip.release()  # no holder to do it, and COMMAND is dead
         chan.close()
         _reap(self.holder_pid)
-        if self.lost:
-            return self._lost_code()
-        self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
-        return exit_code
+        code = self._lost_code() if self.lost else exit_code
+        if not self.lost:
+            self.log.event("released", lock=self.o.job, ticket=self.ticket.ticket_id, status=status)
+        # The outcome is settled (request recorded, lock released): a metrics write that waits
+        # for its lock now can no longer let the lease lapse into a 124 (SPEC 14).
+        self.metrics.after_release((ended, duration, code) if ran else None)
+        return code
 
     def _let_go(self) -> None:
         """COMMAND is dead: our share of the lock goes; the holder's share hands it over."""

@@ -33,6 +33,7 @@ from singleflight.core.reasons import EndReason
 from singleflight.core.record import new_uuid4
 from singleflight.core.ticket import Ticket
 from singleflight.rules import requests
+from singleflight.runmetrics import RunMetrics
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip
@@ -47,6 +48,7 @@ class Runner:
         self.log = Log("pearing-run", opts.verbose, opts.log_format)
         self.waited = 0.0
         self.holder_pid = 0
+        self.metrics = RunMetrics(opts.metrics_dir, opts.repo, opts.job, self.log)
         # The holder forked as the run started to wait, where a grip can be handed over later.
         self.standby: Channel | None = None
 
@@ -127,24 +129,9 @@ class Runner:
         self._metric("deduplicated")
         return True
 
-    def _metric(self, event: Event, *, exit_code: int | None = None, duration: float | None = None) -> None:
-        """--metrics-dir: best effort; a failed write is one line and never the exit status."""
-        if self.o.metrics_dir is None:
-            return
-        from singleflight.core import metrics
-
-        try:
-            metrics.record(
-                self.o.metrics_dir,
-                self.o.repo,
-                self.o.job,
-                event,
-                now=time.time(),
-                exit_code=exit_code,
-                duration=duration,
-            )
-        except metrics.MetricsError as exc:
-            self.log.error(str(exc))
+    def _metric(self, event: Event) -> None:
+        """--metrics-dir: best effort, never the exit status (``runmetrics``)."""
+        self.metrics.record(event, holding=False)
 
     def _acquire(self) -> Grip | None:
         o, lk, tid = self.o, self.lk, self.ticket.ticket_id
@@ -185,7 +172,7 @@ class Runner:
         from singleflight.holding import HeldRun
 
         standby, self.standby = self.standby, None  # the held run closes it now
-        held = HeldRun(self.o, self.log, self.lk, self.ticket, metric=self._metric)
+        held = HeldRun(self.o, self.log, self.lk, self.ticket, metrics=self.metrics)
         return held.run(grip, waited=self.waited, standby=standby, holder_pid=self.holder_pid)
 
 

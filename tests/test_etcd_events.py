@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +154,8 @@ def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
     procs: Procs, work: Path, job: str, on_etcd: str
 ) -> None:
     """What a newcomer on another host does, from a process that signals nothing: a
-    compare-and-swap of ``superseded_by`` into the holder's key. The holder watches its key,
+    compare-and-swap of ``superseded_by`` into the holder's key, naming a run that waits in
+    line (the request stands). The holder watches its key,
     so it stops long before its own next look (a third of its 300 s lease): token dead first
     (the guard refuses it inside COMMAND's TERM trap), COMMAND stopped, run exits busy."""
     client = Client(on_etcd)
@@ -178,11 +178,14 @@ def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
         return holder if holder and holder["holder_pid"] != old.pid else None
 
     assert wait_for(settled, 15, "the holder to settle")["cancel_in_progress"] is True
-    (kv,) = line(on_etcd, job)
+    # The newcomer the request names waits in line: a holder acts only on a request that stands.
+    newcomer = procs.pr("--job", job, "--wait-seconds", "120", "--", "true")
+    wait_for(lambda: len(line(on_etcd, job)) == 2, 15, "the newcomer in line")
+    kv, waiting = line(on_etcd, job)
     key, raw, lease = kv["key"], kv["value"], kv["lease"]
     t = parse(raw)
     assert t is not None
-    by = t.superseded_by = str(uuid.uuid4())
+    by = t.superseded_by = carried(waiting)
     body = value(t, lease, margin=margin_of(raw) or None, owner=owner_of(raw))
     r = client.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, lease)], [])
     assert r.get("succeeded"), r
@@ -192,4 +195,5 @@ def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
     assert r_old.returncode == ExitCode.BUSY, r_old
     assert superseded_by(r_old.err_lines, job) == by
     assert verdict.read_text().strip() == str(int(ExitCode.REFUSED))
+    assert procs.finish(newcomer, timeout=60).returncode == 0
     assert lock_status(procs, job)["state"] == "free"

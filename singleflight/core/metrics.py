@@ -43,12 +43,14 @@ Every pearing-run invocation that gets as far as deciding records exactly one of
   spawned (so 126 / 127 are runs too); ``lease_lost`` as soon as ownership is lost (lease
   expired, ``--max-runtime``, holder killed), and in every case ``end`` with the status
   pearing-run exits with (124 after a lost lease) and ``duration`` = its monotonic time since
-  ``start``, once COMMAND's group is gone and **before the lock is released**: the next
-  holder's ``start`` then always lands after this ``end``, so ``running`` is never left 0
-  under a live run (an ``end`` written after the hand-over would set it to 0 under the
-  next holder's run). ``lease_lost`` is separate from ``end`` 124 because a COMMAND may itself
-  exit 124 (``timeout(1)`` does). A ``--cancel-in-progress`` victim is an ``end`` with its
-  busy code, not a lost lease.
+  ``start``, once COMMAND's group is gone and the lock released (a write may wait for the
+  metrics lock: the lease must not lapse meanwhile, SPEC 14), with ``started``, the ``now``
+  of its ``start``. The next holder's ``start`` may then land first: an ``end`` leaves
+  ``running`` alone when a later ``start`` is on file, so it is never left 0 under a live
+  run. ``lease_lost`` is separate from ``end`` 124 because a COMMAND may itself exit 124
+  (``timeout(1)`` does). A ``--cancel-in-progress`` victim is an ``end`` with its busy
+  code, not a lost lease. A ``start`` that found the metrics lock taken is written after the
+  run's end (``late``): it counts the run, and never sets ``running``.
 
 Usage errors and lock dir errors record nothing. After a kill -9 of pearing-run,
 ``running`` stays 1 until the job's next ``start`` or ``end``. ``now`` is wall-clock time
@@ -126,6 +128,10 @@ class MetricsError(PearingError):
         super().__init__(f"metrics not written to {path}: {detail}")
 
 
+class MetricsBusy(MetricsError):
+    """The metrics lock stayed taken: the same write may succeed later."""
+
+
 def file_name(repo: str, job: str) -> str:
     """The metrics file of a validated (repo, job); see the module docstring."""
     name = f"{_PREFIX}{job}@{repo.replace('/', '+')}{_SUFFIX}"
@@ -149,7 +155,16 @@ def _is_seconds(value: object) -> TypeGuard[float]:
 
 
 def _check(
-    metrics_dir: str, repo: str, job: str, event: str, *, now: float, exit_code: int | None, duration: float | None
+    metrics_dir: str,
+    repo: str,
+    job: str,
+    event: str,
+    *,
+    now: float,
+    exit_code: int | None,
+    duration: float | None,
+    started: float | None = None,
+    late: bool = False,
 ) -> None:
     if not metrics_dir:
         raise MetricsError(repr(metrics_dir), "empty metrics dir")
@@ -164,9 +179,13 @@ def _check(
         raise MetricsError(metrics_dir, f"unknown event {event!r}")
     if not _is_seconds(now):
         raise MetricsError(metrics_dir, f"bad time {now!r}")
+    if late and event != START:
+        raise MetricsError(metrics_dir, f"late belongs to {START!r}, not {event!r}")
+    if started is not None and not _is_seconds(started):
+        raise MetricsError(metrics_dir, f"bad start time {started!r}")
     if event != END:
-        if exit_code is not None or duration is not None:
-            raise MetricsError(metrics_dir, f"exit_code and duration belong to {END!r}, not {event!r}")
+        if exit_code is not None or duration is not None or started is not None:
+            raise MetricsError(metrics_dir, f"exit_code, duration and started belong to {END!r}, not {event!r}")
         return
     if not (isinstance(exit_code, int) and not isinstance(exit_code, bool) and 0 <= exit_code <= 255):
         raise MetricsError(metrics_dir, f"bad exit code {exit_code!r}: {END!r} needs an integer 0-255")
@@ -175,18 +194,28 @@ def _check(
 
 
 def _apply(
-    state: State, event: str, *, now: float, exit_code: int | None = None, duration: float | None = None
+    state: State,
+    event: str,
+    *,
+    now: float,
+    exit_code: int | None = None,
+    duration: float | None = None,
+    started: float | None = None,
+    late: bool = False,
 ) -> State:
     new = dict(state)
     counter = _COUNTER_OF.get(event)
     if counter is not None:
         new[counter] = int(new.get(counter, 0)) + 1
-    if event == START:
+    if event == START and late:
+        new[LAST_START] = max(float(now), new.get(LAST_START, 0.0))
+    elif event == START:
         new[RUNNING] = 1
         new[LAST_START] = float(now)
     elif event == END:
         assert exit_code is not None and duration is not None  # _check saw to it
-        new[RUNNING] = 0
+        if started is None or new.get(LAST_START, 0.0) <= started:
+            new[RUNNING] = 0  # else a later run has started: running is its
         new[LAST_END] = float(now)
         new[LAST_EXIT_CODE] = exit_code
         new[LAST_DURATION] = float(duration)
@@ -242,7 +271,7 @@ def _lock(dir_fd: int, metrics_dir: str) -> int:
                 return fd
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise MetricsError(path, f"still locked by another process after {_LOCK_WAIT:g} s") from None
+                    raise MetricsBusy(path, f"still locked by another process after {_LOCK_WAIT:g} s") from None
                 time.sleep(delay)
                 delay = min(delay * 2, _LOCK_POLL_MAX)
     except BaseException:
@@ -315,12 +344,16 @@ def record(
     now: float,
     exit_code: int | None = None,
     duration: float | None = None,
+    started: float | None = None,
+    late: bool = False,
 ) -> None:
-    """Record one event of (repo, job) in its file in ``metrics_dir``; MetricsError on any failure.
+    """Record one event of (repo, job) in its file in ``metrics_dir``; MetricsError on any failure
+    (MetricsBusy: the metrics lock stayed taken).
 
-    ``exit_code`` (0-255) and ``duration`` (seconds) go with ``end`` and only with it.
+    ``exit_code`` (0-255), ``duration`` (seconds) and ``started`` (its run's ``start`` time) go
+    with ``end`` and only with it; ``late`` with a ``start`` written after its run ended.
     """
-    _check(metrics_dir, repo, job, event, now=now, exit_code=exit_code, duration=duration)
+    _check(metrics_dir, repo, job, event, now=now, exit_code=exit_code, duration=duration, started=started, late=late)
     name = file_name(repo, job)
     path = f"{metrics_dir}/{name}"
     dir_fd = _open_dir(metrics_dir)
@@ -329,7 +362,7 @@ def record(
         try:
             previous = _read_previous(dir_fd, name, path)
             state = (parse(previous, repo, job) if previous is not None else None) or {}
-            state = _apply(state, event, now=now, exit_code=exit_code, duration=duration)
+            state = _apply(state, event, now=now, exit_code=exit_code, duration=duration, started=started, late=late)
             _replace(dir_fd, name, path, render(state, repo, job))
         finally:
             os.close(lock_fd)

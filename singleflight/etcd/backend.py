@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -149,9 +149,20 @@ class EtcdLock(EtcdTickets):
             return EtcdPlace(self, ticket, lease, grip)
         return EtcdPlace(self, ticket, lease, None, kv=adopted)
 
-    def cancel_holder(self, ticket: Ticket) -> float | None:
-        """Through the cluster only (no signal): the holder watches its key (``EtcdLease``)."""
-        return events.request_cancel(self.mutex, ticket)
+    # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
+    # the holder watches its key (``EtcdLease``) ------------------------------------------
+
+    def holder_record(self) -> tuple[Ticket, Any] | None:
+        return events.holder_record(self.mutex)
+
+    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
+        return events.mark_superseded(self.mutex, holder, by, seen)
+
+    def end_superseded(
+        self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
+    ) -> str | None:
+        assert isinstance(held, EtcdLease), "the lease this backend's take returned"
+        return events.end_superseded(held, stands, keep, every)
 
     def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
         """The key is first in line and its token's hash is in it since it joined: nothing to

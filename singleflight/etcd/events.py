@@ -10,22 +10,33 @@ waiter watches its own key while it waits and leaves busy at once.
 
 A cancel-in-progress request travels through the cluster alone: a compare-and-swap
 sets ``superseded_by`` in the holder's own key, which an opted-in holder watches
-(``EtcdLease``). The holder then stops as on any loss: token dead, COMMAND stopped,
-lock released, and its run exits busy.
+(``EtcdLease``), and another one clears it (a withdrawal). When the holder acts on it,
+its token dies in a txn over the revision it judged (``end_superseded``); then it stops
+as on any loss: COMMAND stopped, lock released, and its run exits busy. Who may be asked,
+and when a request stands, is rules/events.py's.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from singleflight.core import proc
-from singleflight.core.const import DEFAULT_KILL_GRACE, ENDED_TICKET_RETENTION, QUEUE_LATEST
+from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, QUEUE_LATEST
+from singleflight.core.errors import BackendUnavailable
+from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
+from singleflight.etcd.ending import wait_guards_of
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import margin_of, owner_of, parse, ticket_id_of, value
+
+if TYPE_CHECKING:
+    from singleflight.etcd.lease import EtcdLease
+
+# How often the holder's end for a request looks again after the key changed under it.
+_END_TRIES = 8
 
 
 def join_latest(
@@ -139,33 +150,82 @@ def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> t
     return None, 0
 
 
-def request_cancel(mutex: Mutex, ticket: Ticket) -> float | None:
-    """--cancel-in-progress: ask the holder to stop, if it opted in too, by setting its
-    ``superseded_by`` (compare-and-swap on its key). Its kill grace; None if it did not opt
-    in, is ours, is another client's (``etcdctl lock``), ended, or dead (on this host)."""
-    for _ in range(5):
-        r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
-        head = ranged(r, 0)[0]
-        kv = head[0] if head else None
-        h = parse(kv["value"]) if kv is not None else None
-        if kv is None or h is None or not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id:
-            return None
-        owner = owner_of(kv["value"])
-        here = h.holder_host == os.uname().nodename
-        if here and not proc.alive(h.holder_pid, h.holder_start) and not proc.alive(*owner):
-            return None  # its lease lapses by itself
-        grace = h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE
-        if h.superseded_by:
-            return grace  # asked already: the first request stands
-        h.superseded_by = ticket.ticket_id
-        body = value(h, kv["lease"], margin=margin_of(kv["value"]) or None, owner=owner)
+def holder_record(mutex: Mutex) -> tuple[Ticket, dict[str, Any]] | None:
+    """The first key in line and its ticket as stored (None: empty, or another client's key)."""
+    r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
+    head = ranged(r, 0)[0]
+    h = parse(head[0]["value"]) if head else None
+    return (h, head[0]) if h is not None else None
+
+
+def mark_superseded(mutex: Mutex, holder: Ticket, by: str | None, kv: dict[str, Any]) -> bool:
+    """``superseded_by`` into the holder's key, by compare-and-swap on its mod revision (an
+    opted-in holder watches its key: it is told in moments, from any host)."""
+    if not holder.live:
+        return False
+    holder.superseded_by = by
+    body = value(holder, kv["lease"], margin=margin_of(kv["value"]) or None, owner=owner_of(kv["value"]))
+    try:
+        r = mutex.cluster.txn(
+            [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])], [op_put(kv["key"], body, kv["lease"])], []
+        )
+    except Refused:
+        return False  # its lease went meanwhile
+    return bool(r.get("succeeded"))
+
+
+def end_superseded(
+    lease: EtcdLease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
+) -> str | None:
+    """The holder's token dies for the request in its key, once no guarded command of its ticket
+    is in flight, only if ``stands(by)`` and only over the revision it judged (compared in the
+    txn that ends it): a withdrawal or a new guarded command in between makes it look again.
+
+    This is ``ending.end``'s transaction with one difference: a change of the key is judged
+    again instead of being followed (a withdrawn request must not end the token)."""
+    t, mutex, cluster = lease.ticket, lease.mutex, lease.cluster
+    for _ in range(_END_TRIES):
         try:
-            r = mutex.cluster.txn(
-                [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])], [op_put(kv["key"], body, kv["lease"])], []
-            )
-        except Refused:
-            return None  # its lease went meanwhile
+            at = wait_guards_of(mutex, t.ticket_id, lambda: _until(lease), keep, every)
+            if at is None:
+                return None  # lapsed, or cut off from the cluster: the next check says so
+            kv = cluster.get(lease.key)
+        except BackendUnavailable:
+            return None
+        if kv is None or kv["create_revision"] != lease.fence:
+            return None  # lost meanwhile: the next check says why
+        cur = parse(kv["value"])
+        if cur is None or not cur.live or not cur.superseded_by:
+            return None  # ended or released meanwhile (the next check says why), or withdrawn
+        by = cur.superseded_by
+        try:
+            if not stands(by):
+                if mark_superseded(mutex, cur, None, kv):
+                    return None
+                continue
+        except BackendUnavailable:
+            return None  # judged again at the next look: the request is still in the key
+        mine = [cmp(lease.key, "CREATE", "EQUAL", lease.fence), cmp(lease.key, "MOD", "EQUAL", kv["mod_revision"])]
+        was = t.state, t.end_reason, t.ended_at, t.superseded_by
+        t.superseded_by = by
+        t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
+        body = lease._body()
+        ops = [
+            op_put(mutex.e + t.ticket_id, body, lease.keep_lease or lease.lease),
+            op_put(mutex.base + "last", str(lease.fence).encode()),
+            op_put(lease.key, body, lease.lease),  # the key stays, ended: the lock is ours until COMMAND is dead
+        ]
+        try:
+            r = cluster.txn([*mine, cmp(mutex.g, "CREATE", "LESS", at + 1, prefix=True)], ops, [])
+        except (BackendUnavailable, Refused):
+            r = {}
         if r.get("succeeded"):
-            return grace
-        # A heartbeat or the holder settling came in between: look again.
+            lease.ended = body  # ``lease.end`` then finds it ended and leaves that record
+            return by
+        t.state, t.end_reason, t.ended_at, t.superseded_by = was
     return None
+
+
+def _until(lease: EtcdLease) -> float:
+    """How long a holder may wait for guarded commands: until its cut-off, not once it lapsed."""
+    return -math.inf if lease.lapsed else lease._cut_off()

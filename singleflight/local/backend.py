@@ -13,7 +13,7 @@ from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
-    DEFAULT_KILL_GRACE,
+    EXPIRED,
     HELD,
     RELEASED,
     REQUEST_ACTIVE,
@@ -125,20 +125,54 @@ class LocalLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return LocalPlace(self.store, ticket, fd, None)
 
-    def cancel_holder(self, ticket: Ticket) -> float | None:
+    # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
+
+    def holder_record(self) -> tuple[Ticket, Any] | None:
+        holder_id = self.store.read_pointer("holder")
+        h = self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
+        return (h, h.superseded_by) if h is not None else None
+
+    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
+        """Under the lock's mutex, where its holder also ends its token for a request."""
         store = self.store
         with store.mutex():
-            holder_id = store.read_pointer("holder")
-            h = store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
-            if h is None or h.state != HELD or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id:
-                return None
-            if not proc.alive(h.holder_pid, h.holder_start):
-                return None
-            if not h.superseded_by:
-                h.superseded_by = ticket.ticket_id
-                store.write_ticket(h)
-        lease.poke(h)  # its holder checks its ticket now: token dead, COMMAND stopped, lock released
-        return h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE
+            cur = store.read_ticket(holder.ticket_id)
+            if cur is None or not cur.live or cur.superseded_by != seen:
+                return False
+            cur.superseded_by = by
+            store.write_ticket(cur)
+        if by is not None:
+            lease.poke(cur)  # its holder checks its ticket now, not at its next deadline
+        return True
+
+    def end_superseded(
+        self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
+    ) -> str | None:
+        """The guard lock first (as every end of a lease: guarded commands land first), then the
+        record under the mutex, which a withdrawal takes too: it lands before or after, never
+        between the judgement and the end."""
+        store, tid = self.store, held.ticket.ticket_id
+        fd = store.open_lock_file("guard.lock")
+        try:
+            while not queue.flock_until(fd, time.monotonic() + every):
+                os.close(fd)  # see flock_until: a lock granted as the alarm fired goes with it
+                fd = -1
+                keep()
+                fd = store.open_lock_file("guard.lock")
+            with store.mutex():
+                t = store.read_ticket(tid)
+                by = t.superseded_by if t is not None and t.state == HELD else None
+                if t is None or by is None:
+                    return None
+                if stands(by):
+                    t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
+                else:
+                    t.superseded_by = by = None
+                store.write_ticket(t)
+                return by
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def take(self, grip: FlockGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[LocalLease, Taken]:
         token = lease.take_ownership(self.store, ticket, promoted=promoted)

@@ -1,0 +1,123 @@
+"""``--cancel-in-progress``, once for every backend: who may be asked to stop, when a request
+stands, its withdrawal, and when the holder acts on it (SPEC 15).
+
+A newcomer that opted in asks an opted-in holder to stop by setting ``superseded_by`` in the
+holder's ticket. The work is never lost to it:
+
+- a newcomer that leaves before taking the lock (its wait ran out, ^C) takes its request
+  back (``withdraw``), unless the holder has acted on it already: the holder's run is then
+  being stopped for the newcomer, which keeps its place until that run is gone;
+- one that cannot take it back (kill -9) no longer waits, and a holder acts only on a
+  request whose newcomer still does (``stands``), judged once no guarded command of its
+  ticket is in flight and in the same step as its token dies (``LockOps.end_superseded``),
+  so no withdrawal can slip in between;
+- a holder whose COMMAND has ended has nothing left to cancel: its run ends as it would have.
+
+A request that does not stand is cleared by whoever finds it. A backend offers only the
+holder's record as it stands, a compare-and-set of its ``superseded_by``, and that end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from singleflight.core.const import DEFAULT_KILL_GRACE, RELEASED, WAITING
+
+if TYPE_CHECKING:
+    from singleflight.backend import Lease, LockOps
+    from singleflight.core.ticket import Ticket
+
+# A newcomer waits at least the holder's kill grace and this much more for its run to stop.
+SLACK = 5.0
+# Compare-and-set rounds lost to heartbeats before giving up (each loser looks again at once).
+_TRIES = 5
+
+
+@dataclasses.dataclass
+class Asked:
+    """The holder a newcomer asked to stop (or found asked already by a request that stands)."""
+
+    holder: str
+    grace: float  # its kill grace: how long stopping its COMMAND may take
+    handed_on: bool = False  # seen gone after stopping for us: its lock is being handed on
+
+
+def stands(lk: LockOps, by: str) -> bool:
+    """Does the newcomer ``by`` still wait, its process alive? (Its ticket, not its entry in line:
+    the lock dir publishes an entry's deadline a moment after the entry, and a newcomer caught
+    between its wait and its withdrawal is still waiting: it then keeps its place, ``withdraw``.)"""
+    t = lk.read(by)
+    return t is not None and t.state == WAITING and not lk.orphaned(t)
+
+
+def target(lk: LockOps, ticket: Ticket) -> Asked | None:
+    """The holder ``ticket`` may ask to stop. Only read: the request is made once we are in line
+    (``ask``), where the holder can see that we wait."""
+    found = lk.holder_record()
+    return _askable(lk, found[0], ticket) if found is not None else None
+
+
+def _askable(lk: LockOps, h: Ticket, ticket: Ticket) -> Asked | None:
+    """Who may be asked: a holder that opted in, is not ours, and is alive (a dead one lets go by
+    itself). Never one that did not opt in."""
+    if not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id or lk.orphaned(h):
+        return None
+    return Asked(h.ticket_id, h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE)
+
+
+def ask(lk: LockOps, ticket: Ticket, holder: Asked) -> Asked | None:
+    """Ask ``holder`` to stop (its token dies first, then its COMMAND), ``ticket`` being in line
+    now. An earlier request that stands keeps its place (we wait behind it all the same); one
+    whose newcomer is gone is replaced. None when there is nobody to ask any more."""
+    for _ in range(_TRIES):
+        found = lk.holder_record()
+        if found is None or found[0].ticket_id != holder.holder or _askable(lk, found[0], ticket) is None:
+            return None
+        h, seen = found
+        if h.superseded_by == ticket.ticket_id or (h.superseded_by and stands(lk, h.superseded_by)):
+            return holder
+        if lk.mark_superseded(h, ticket.ticket_id, seen):
+            return holder
+    return None
+
+
+def withdraw(lk: LockOps, ticket: Ticket, asked: Asked) -> float:
+    """We are leaving before taking the lock: take our request back. How much longer to keep our
+    place instead: 0 once withdrawn (or never acted on); while the holder is stopping its run
+    for us, its kill grace and the slack; once, the slack alone after it is gone, while its
+    lock is handed on (it would otherwise go to nobody, and neither run did the work)."""
+    for _ in range(_TRIES):
+        found = lk.holder_record()
+        if found is None or found[0].ticket_id != asked.holder:
+            old = lk.read(asked.holder)
+            stopped_for_us = old is not None and old.superseded_by == ticket.ticket_id and old.state != RELEASED
+            return _handed_on(asked) if stopped_for_us else 0.0
+        h, seen = found
+        if h.superseded_by != ticket.ticket_id:
+            return 0.0
+        if not h.live:  # its token died for us: it is stopping its COMMAND
+            return _handed_on(asked) if lk.orphaned(h) else asked.grace + SLACK
+        if lk.mark_superseded(h, None, seen):
+            return 0.0
+    return 0.0
+
+
+def _handed_on(asked: Asked) -> float:
+    if asked.handed_on:
+        return 0.0
+    asked.handed_on = True
+    return SLACK
+
+
+def act(lk: LockOps, lease: Lease, *, command_ended: Callable[[], bool], keep: Callable[[], None]) -> str | None:
+    """In the holder, asked to stop: the newcomer it stops for (its token is dead now), or None
+    when no request stands (its COMMAND ended, its newcomer left or died; the request is cleared
+    and the run goes on). ``keep`` keeps the lease ours while guarded commands are waited for."""
+
+    def still(by: str) -> bool:
+        return not command_ended() and stands(lk, by)
+
+    every = max(0.05, min(1.0, lease.ticket.lease_seconds / 3))
+    return lk.end_superseded(lease, still, keep, every)
