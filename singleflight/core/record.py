@@ -115,3 +115,13 @@ def loads(data: bytes) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+def epoch(value: object, what: str = "time") -> float:
+    """A recorded time in epoch seconds: a finite number within the range every record keeps
+    (no bool, no NaN, no 1e300, which a clock or ``rfc3339`` would overflow on); TypeError else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} is not a number")
+    if not math.isfinite(value) or abs(value) > 1e15:
+        raise TypeError(f"{what} is not a finite number of seconds: {value!r}")
+    return float(value)

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from singleflight.core.errors import CorruptRecord
+from singleflight.core.record import epoch
 from singleflight.core.request import RequestRecord
 from singleflight.etcd.client import cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex, ttl_of
@@ -17,12 +18,9 @@ def read_last_success(mutex: Mutex) -> float | None:
     if kv is None:
         return None
     try:
-        started = json.loads(kv["value"])["started_at"]
-        if isinstance(started, bool) or not isinstance(started, (int, float)):
-            raise TypeError("started_at is not a number")
-    except (ValueError, KeyError, TypeError) as exc:
+        return epoch(json.loads(kv["value"])["started_at"], "started_at")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(f"etcd:{mutex.base}s", f"not a success record: {exc}") from None
-    return float(started)
 
 
 def write_last_success(mutex: Mutex, started_at: float, ticket_id: str) -> None:

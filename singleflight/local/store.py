@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from singleflight.core import fault, names
 from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE
 from singleflight.core.errors import BadValue, CorruptRecord
 from singleflight.core.fs import Dir, lock_parts, parse_int_record
-from singleflight.core.record import loads
+from singleflight.core.record import epoch, loads
 from singleflight.core.request import RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
@@ -305,16 +304,14 @@ class LockStore:
             return None
         try:
             obj = loads(data)
-            value, fence = obj["started_at"], obj.get("fence")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError("started_at is not a number")
+            value, fence = epoch(obj["started_at"], "started_at"), obj.get("fence")
             if fence is not None and (
                 isinstance(fence, bool) or not isinstance(fence, int) or not 1 <= fence <= MAX_FENCE
             ):
                 raise TypeError("fence is not a fence")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptRecord(self.dir.child_path("success"), f"not a success record: {exc}") from None
-        return float(value), fence
+        return value, fence
 
     def read_last_success(self) -> float | None:
         success = self._read_success()
