@@ -28,7 +28,7 @@ READER = ["sh", "-c", "read a; echo got-$a rc=$? end"]
 # Runs its arguments with every fd above 2 closed, as a terminal's login shell would.
 ONLY_STDIO = [sys.executable, "-c", "import os, sys; os.closerange(3, 65536); os.execv(sys.argv[1], sys.argv[1:])"]
 # The race took about one try in five on two busy cores: enough tries that it shows.
-TRIES = 20
+TRIES = 8
 
 
 @pytest.fixture
@@ -46,12 +46,12 @@ def ptys(procs: Procs) -> Iterator[Callable[..., Pty]]:
 
 @pytest.fixture
 def busy(procs: Procs) -> None:
-    """Both cores of a small machine busy, as when the race was seen: two CPU hogs, each bounded
-    to 60 s, killed at teardown with the test's other processes."""
-    for _ in range(2):
-        procs.start(
-            ["timeout", "60", "sh", "-c", "while :; do :; done"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+    """A core of a small machine busy, as when the race was seen: a CPU hog, bounded to 60 s,
+    killed at teardown with the test's other processes. One, not two: the suite's other worker
+    shares the machine (the race needs the wrapper slowed, not starved; the deterministic test
+    below shows the fix whatever the load)."""
+    hog = ["timeout", "60", "sh", "-c", "while :; do :; done"]
+    procs.start(hog, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
@@ -70,7 +70,7 @@ def test_an_interactive_command_reads_what_was_typed_before_it_started(
 ) -> None:
     """With SIGTTIN ignored the old race failed the read; at its default it only stopped COMMAND
     for a moment (the case kept here, so the new path is checked under both)."""
-    for i in range(TRIES):
+    for i in range(TRIES if sigttin == "ignored" else 3):
         with ignored(signal.SIGTTIN) if sigttin == "ignored" else contextlib.nullcontext():
             t = ptys("--job", "tty", "--", *READER)
         t.send(b"hello\n")  # at once: long before the wrapper is through posix_spawn
