@@ -204,3 +204,11 @@ def test_the_backend_interface_does_not_grow() -> None:
     print(f"backend interface: {total} members", {k: len(v) for k, v in members.items()})
     assert {"Grip", "Place", "Lease", "LockOps", "Backend"} <= members.keys(), members
     assert total <= _INTERFACE_CEILING, members
+
+
+def test_pearing_runs_path_does_not_load_dataclasses() -> None:
+    """``dataclasses`` pulls in ``inspect`` (about 10 ms): every pearing-run would pay it. A
+    module of the acquire path once used it for one small record."""
+    code = "import sys, singleflight.cli.run, singleflight.runner; print('dataclasses' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
