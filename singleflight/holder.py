@@ -17,17 +17,16 @@ import signal
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from singleflight.core import fault, group, proc, protocol
-from singleflight.core.const import ENV_TOKEN, EXPIRED, RELEASED
+from singleflight.core import fault, group, protocol
+from singleflight.core.const import EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.watched import Watched
 from singleflight.rules import events
 from singleflight.rules.requests import record_end
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from singleflight.backend import Lease, LockOps
 
 # Signals that end the lease early, as a lost lease (the run must stop).
@@ -90,28 +89,12 @@ def detach(keep: set[int]) -> None:
     os.closerange(low, max_fd if max_fd > 0 else 1024)
 
 
-def _pidfd(pid: int, stamp: int | None) -> int | None:
-    """A pidfd on COMMAND, or None if it is already gone (or the pid was reused)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-    if proc.start_time(pid) != stamp:
-        os.close(fd)
-        return None
-    return fd
-
-
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
     def __init__(self, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
         self.lk, self.lease, self.cfg, self.chan = lk, lease, cfg, chan
-        self.cmd_pid: int | None = None
-        self.cmd_fd: int | None = None
-        self.cmd_done = False
-        # Told COMMAND is about to start, not yet its pid: the moment it was told (``boot_ticks``).
-        self.spawning: int | None = None
+        self.cmd = Watched()
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         for sig in HOLDER_SIGNALS:
@@ -171,9 +154,9 @@ class Holder:
                     if self.chan.eof:
                         poller.unregister(fd)
                     self._on_messages(poller)
-                elif fd == self.cmd_fd:
+                elif fd == self.cmd.fd:
                     poller.unregister(fd)
-                    self.cmd_done = True
+                    self.cmd.done = True
                     if self.chan is None or self.chan.eof:
                         # The wrapper was killed (or the Lock's process died): status unknown.
                         self.finish(None)
@@ -197,9 +180,9 @@ class Holder:
 
     def _renewing(self) -> bool:
         """Auto heartbeat while the wrapper runs (pearing-run), or while the Lock's block runs."""
-        if not self.cfg.heartbeat_auto or self.cmd_done:
+        if not self.cfg.heartbeat_auto or self.cmd.done:
             return False
-        return self.cfg.owned_by_wrapper or self.cmd_pid is not None
+        return self.cfg.owned_by_wrapper or self.cmd.pid is not None
 
     def _on_signals(self, sigs: bytes) -> None:
         for sig in sigs:
@@ -212,15 +195,15 @@ class Holder:
         assert self.chan is not None
         for msg in self.chan.messages():
             if msg.kind == protocol.SPAWNING:
-                self.spawning = msg.stamp
+                self.cmd.spawning = msg.stamp
             elif msg.kind == protocol.STARTED:
-                self._started(msg.pid, msg.stamp, poller)
+                self.cmd.started(msg.pid, msg.stamp, poller)
             elif msg.kind == protocol.EXITED:
-                self.cmd_done = True
+                self.cmd.done = True
                 self.finish(msg.status)
-        if self.chan.eof and self.spawning is not None:
+        if self.chan.eof and self.cmd.spawning is not None:
             self._find_spawned(poller)
-        if self.chan.eof and (self.cmd_pid is None or self.cmd_done):
+        if self.chan.eof and (self.cmd.pid is None or self.cmd.done):
             # The owner is gone and so is what it ran: pearing-run died before COMMAND started
             # or after it ended; a Lock's process died inside its block, or before it began
             # (an agent reads a channel only from an owner that answers for the ticket).
@@ -233,50 +216,15 @@ class Holder:
             chan.fill()
             self._on_messages(poller)
 
-    def _started(self, pid: int, stamp: int, poller: select.poll | None) -> None:
-        """COMMAND (or the --skip-if check) runs: watch it."""
-        self.spawning = None
-        if self.cmd_fd is not None:  # the --skip-if check came first
-            if not self.cmd_done and poller is not None:
-                poller.unregister(self.cmd_fd)
-            os.close(self.cmd_fd)
-        self.cmd_pid, self.cmd_done = pid, False
-        self.cmd_fd = _pidfd(pid, stamp)
-        if self.cmd_fd is None:
-            self.cmd_done = True
-        elif poller is not None:
-            poller.register(self.cmd_fd, select.POLLIN)
-
     def _find_spawned(self, poller: select.poll | None) -> None:
-        """The wrapper died between spawning COMMAND and telling us its pid (kill -9): find it by
-        the run's token in its environment, as if told. A process just spawned may take a moment
-        to exec; one that never started (the wrapper died before the spawn) is not waited for long.
-
-        Never by the ticket id: it is public (``pearing-cli status``), and a process carrying it,
-        adopted in COMMAND's place, let the lock go when it exited while COMMAND ran on. The token
-        is the run's secret, minted once the lock was ours: only its 0600 token file and what the
-        run started have it (a --skip-if check's own daemon too, hence the second rule: started
-        no earlier than the ``spawning`` word, which the wrapper stamped before the spawn; the
-        moment we heard it may already be after COMMAND's start)."""
-        since, self.spawning = self.spawning, None
-        digest = self.lease.ticket.token_hash
-        if since is None or digest is None:
-            return
-        matches = _token_matcher(digest)
-        deadline = time.monotonic() + _SPAWNED_FOUND_WITHIN
-        while (found := proc.spawned_with_env(ENV_TOKEN, matches, since)) is None:
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(0.02)
-            self.lease.keep()
-        self._started(*found, poller)
+        self.cmd.find_spawned(self.lease.ticket.token_hash, self.lease.keep, poller)
 
     def _check_lease(self) -> None:
         """At the deadline, or when poked: still ours? A heartbeat may have extended it."""
         lost = self.lease.check()
         if lost is not None and lost.superseded:
             lost = self._superseded()
-        if lost is not None and lost.released and (self.cmd_pid is None or not self.cfg.owned_by_wrapper):
+        if lost is not None and lost.released and (self.cmd.pid is None or not self.cfg.owned_by_wrapper):
             self.finish_released()  # pearing-cli release-lock-ticket
         if lost is not None:
             self.lose(lost)
@@ -285,18 +233,12 @@ class Holder:
         """A newer run that opted in asked us to stop: the loss, or None when no request stands
         once our guarded commands are done (``rules.events.act``: its newcomer left or died,
         or our COMMAND has ended, and then the run ends as it would have: a success is one)."""
-        by = events.act(self.lk, self.lease, command_ended=self._command_ended, keep=self._keep_guarded)
+        by = events.act(self.lk, self.lease, command_ended=self.cmd.ended, keep=self._keep_guarded)
         if by is None:
             # Cleared in the store: a renewal must not write our copy of the request back.
             self.lease.ticket.superseded_by = None
             return None
         return Loss(EndReason.SUPERSEDED, by)
-
-    def _command_ended(self) -> bool:
-        """Has COMMAND (a Lock's block) ended, even if the loop has not seen its pidfd yet?"""
-        if self.cmd_done:
-            return True
-        return self.cmd_fd is not None and bool(select.select([self.cmd_fd], [], [], 0)[0])
 
     def _keep_guarded(self) -> None:
         """While a cancel waits for our guarded commands: the lease as the loop would keep it."""
@@ -315,7 +257,7 @@ class Holder:
             self.chan.send(protocol.lost(loss))
         with contextlib.suppress(PearingError):
             self.lk.tokens.remove(self.lease.ticket.ticket_id)
-        if self.cfg.owned_by_wrapper and self.cmd_pid is None:
+        if self.cfg.owned_by_wrapper and self.cmd.pid is None:
             self._await_command()
         self._stop_command()
         self._release_lock_and_exit()
@@ -330,13 +272,13 @@ class Holder:
             if msg is None:
                 continue
             if msg.kind == protocol.SPAWNING:
-                self.spawning = msg.stamp
+                self.cmd.spawning = msg.stamp
             elif msg.kind == protocol.STARTED:
-                self._started(msg.pid, msg.stamp, None)
+                self.cmd.started(msg.pid, msg.stamp, None)
                 return
             elif msg.kind == protocol.EXITED:
                 return
-        if self.spawning is not None:
+        if self.cmd.spawning is not None:
             self._find_spawned(None)
 
     def finish(self, status: int | None) -> NoReturn:
@@ -363,9 +305,9 @@ class Holder:
     def _stop_command(self) -> None:
         """SIGTERM, SIGKILL after the grace, and wait until the group is gone: only then may
         the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive)."""
-        if self.cmd_pid is None or not self.cfg.owned_by_wrapper:
+        if self.cmd.pid is None or not self.cfg.owned_by_wrapper:
             return
-        group.stop(self.cmd_pid, self.cmd_fd, self.cfg.kill_grace, self.lease.keep, leader_done=self.cmd_done)
+        group.stop(self.cmd.pid, self.cmd.fd, self.cfg.kill_grace, self.lease.keep, leader_done=self.cmd.done)
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:
@@ -376,23 +318,6 @@ class Holder:
             self.lease.housekeeping()
         finally:
             os._exit(0)
-
-
-# A wrapper killed mid-spawn: how long the holder looks for the process it may have started.
-_SPAWNED_FOUND_WITHIN = 1.0
-
-
-def _token_matcher(digest: str) -> Callable[[bytes], bool]:
-    """Is a value the token whose hash is ``digest`` (the ticket keeps only the hash)? In
-    constant time, as every comparison with a secret."""
-    import hmac
-
-    from singleflight.core.tokens import token_hash
-
-    def matches(value: bytes) -> bool:
-        return hmac.compare_digest(token_hash(value.decode(errors="replace")), digest)
-
-    return matches
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -212,3 +212,31 @@ def test_pearing_runs_path_does_not_load_dataclasses() -> None:
     code = "import sys, singleflight.cli.run, singleflight.runner; print('dataclasses' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
+
+
+# Past these sizes a module or a class is doing more than one thing (the sizes issue 21 set).
+MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250
+
+
+def _oversized(root: Path) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(root.parent)}: module of {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (n := (node.end_lineno or 0) - node.lineno + 1) > MAX_CLASS_LINES:
+                out.append(f"{path.relative_to(root.parent)}: class {node.name} of {n} lines")
+    return out
+
+
+def test_no_module_over_400_lines_and_no_class_over_250() -> None:
+    assert _oversized(ROOT / "singleflight") == []
+
+
+def test_oversized_modules_and_classes_are_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "big.py").write_text("x = 1\n" * 401)
+    (pkg / "cls.py").write_text("class C:\n" + "    x = 1\n" * 250 + "class D:\n    pass\n")
+    assert _oversized(pkg) == ["pkg/big.py: module of 401 lines", "pkg/cls.py: class C of 251 lines"]
