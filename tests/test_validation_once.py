@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -226,3 +227,16 @@ def test_dedupe_window_takes_days_like_min_interval(backend: str, procs: Procs, 
     run("--min-interval", "1d")
     run("--min-interval", "1d")  # a success started less than a day ago: skipped
     assert (work / "ran").read_text() == "x\nx\n"
+
+
+@pytest.mark.parametrize("command", ["pearing-run", "pearing-cli", "pearing-guard", "pearing-mcp"])
+def test_every_front_end_names_every_backend_form_in_its_help(command: str) -> None:
+    """``--backend``'s help comes from the scheme table: a new backend shows up in all four."""
+    from singleflight.core import schemes
+
+    exe = Path(sys.executable).with_name(command)
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=30, env={"COLUMNS": "400"})
+    assert out.returncode == 0, out
+    flat = " ".join(out.stdout.replace("│", " ").split())
+    for s in schemes.SCHEMES:
+        assert s.form in flat, (s.form, out.stdout)

@@ -23,7 +23,7 @@ from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli._script import script
-from singleflight.core import fault, names
+from singleflight.core import fault, names, schemes
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
 from singleflight.core.errors import BadValue, PearingError, UsageError
 from singleflight.core.log import Log
@@ -32,10 +32,14 @@ PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"
 TOKEN_FILE = Option("--token-file", dest="token_file", metavar="F", help="token file (default PEARING_TOKEN_FILE)")
 HELP = Option("-h", "--help", dest="help", flag=True, help="show this help and exit")
-BACKEND = Option(
-    "--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local)"
-)
-VERIFY = [TOKEN_FILE, BACKEND, Option("--json", dest="json", flag=True, help="print the verdict as JSON"), HELP]
+JSON = Option("--json", dest="json", flag=True, help="print the verdict (fence: the result) as JSON")
+BACKEND = Option("--backend", dest="backend", metavar="URL", help=schemes.help_text())
+VERIFY = [
+    TOKEN_FILE,
+    BACKEND,
+    JSON,
+    HELP,
+]
 EXEC = [
     TOKEN_FILE,
     BACKEND,
@@ -47,7 +51,7 @@ FENCE = [
     Option("--fence", dest="fence", metavar="N", help="the writer's fence (required)"),
     Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default the backend's own ledger)"),
     BACKEND,
-    Option("--json", dest="json", flag=True, help="print the result as JSON"),
+    JSON,
     HELP,
 ]
 _TERMINAL = (signal.SIGINT, signal.SIGQUIT)
@@ -58,6 +62,21 @@ _CAUGHT = (*_TERMINAL, *_FORWARDED)
 def _help(opts: list[Option], synopsis: str) -> int:
     sys.stdout.write(usage(PROG, synopsis, opts))
     return 0
+
+
+def _overview() -> str:
+    """``pearing-guard --help``: what each command is for, then the options they share."""
+    shared = list({o.names: o for o in VERIFY + EXEC + FENCE if o is not HELP}.values())
+    return (
+        f"usage: {PROG} {SYNOPSIS}\n\n"
+        "commands:\n"
+        "  verify                       exit 0 only while the run's token is live (else 1, with the reason)\n"
+        "  exec -- CMD                  run CMD only under a live token; the lock waits for CMD to end\n"
+        "  fence                        accept a write's fence only if no higher one was accepted\n\n"
+        + usage(PROG, "COMMAND -h", shared).split("\n", 2)[2]
+        + f"  {'--version':<28} print the version and exit\n"
+        + f"  {'-h, --help':<28} show this help (COMMAND -h: that command's)\n"
+    )
 
 
 def _backend(values: dict[str, object]) -> str:
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(PROG)
     try:
         if not args or args[0] in ("-h", "--help"):
-            sys.stdout.write(f"usage: {PROG} {SYNOPSIS}\n")
+            sys.stdout.write(_overview() if args else f"usage: {PROG} {SYNOPSIS}\n")
             return 0 if args else int(ExitCode.USAGE)
         if args[0] == "--version":
             sys.stdout.write(f"{PROG} {__version__}\n")

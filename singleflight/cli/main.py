@@ -17,7 +17,7 @@ import typer
 from singleflight import __version__, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._script import script
-from singleflight.core import identity, names
+from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
@@ -62,9 +62,7 @@ def _root(
     ident: Annotated[
         str | None, typer.Option("--identity", help="Who holds (default PEARING_IDENTITY, else user@host).")
     ] = None,
-    url: Annotated[
-        str | None, typer.Option("--backend", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local).")
-    ] = None,
+    url: Annotated[str | None, typer.Option("--backend", help=schemes.help_text().replace("[", r"\["))] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

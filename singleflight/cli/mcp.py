@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.core import identity, names
+from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
@@ -47,7 +47,7 @@ PROG = "pearing-mcp"
 SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--backend URL] [--version]"
 OPTIONS = [
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR)"),
-    Option("--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND)"),
+    Option("--backend", dest="backend", metavar="URL", help=schemes.help_text("PEARING_BACKEND, else local")),
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY, else user@host)"),
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),

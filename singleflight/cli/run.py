@@ -11,7 +11,7 @@ from singleflight import __version__
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli._script import script
-from singleflight.core import identity, names
+from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_DEDUPE_WINDOW,
     DEFAULT_KILL_GRACE,
@@ -50,9 +50,7 @@ OPTIONS = [
     Option("--skip-if", dest="skip_if", metavar="CMD", help="after acquiring: exit 0 of CMD means already done"),
     Option("--busy-exit-code", dest="busy_code", metavar="N", help="exit code when busy (default 75)"),
     Option("--identity", dest="identity", metavar="ID", help="who holds (default PEARING_IDENTITY or user@host)"),
-    Option(
-        "--backend", dest="backend", metavar="URL", help="etcd://HOST:PORT[,...] (default PEARING_BACKEND, else local)"
-    ),
+    Option("--backend", dest="backend", metavar="URL", help=schemes.help_text()),
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR or per user)"),
     Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
     Option("--queue", dest="queue", metavar="fifo|latest", help="latest: a newer waiter replaces older ones"),

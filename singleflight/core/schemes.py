@@ -57,3 +57,8 @@ def scheme_of(url: str) -> Scheme | None:
 def forms() -> str:
     """Every backend URL's form, for the one line that refuses another."""
     return " or ".join(s.form for s in SCHEMES)
+
+
+def help_text(default: str = "PEARING_BACKEND, else local") -> str:
+    """``--backend``'s help, the same in every front end: every form, and the default."""
+    return f"{forms()} (default {default})"
