@@ -29,7 +29,7 @@ import threading
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
-from singleflight.core import protocol
+from singleflight.core import fault, protocol
 from singleflight.core.const import CANCELLED, WAITING, ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
     # (pearing-mcp) collects no zombies; init reaps us when the lease ends.
     if os.fork() > 0:
         os._exit(0)
+    fault.pause("pause-agent-start")  # a machine too busy to start us for a whole lease
     ensure_std_fds()
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     chan = Channel(int(control[0]) if control else -1, int(report_fd))
@@ -105,6 +106,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         chan.send(protocol.Message(protocol.ENDED))
         return 0
     lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
+    fault.pause("pause-agent-ready")
     chan.send(protocol.ready(taken))
     if mode == _WAIT_ONLY and chan.rfd >= 0:
         # Held: the ticket is its client's now, kept by heartbeats whatever becomes of the server.

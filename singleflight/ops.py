@@ -243,7 +243,9 @@ def _follow(
     the last message it sent, and the wait left once it has queued)."""
     last, wait_seconds = heard
     deadline = time.monotonic() + (wait_seconds if last == protocol.QUEUED else _AGENT_START_SECONDS)
-    beat = math.inf if last is None else time.monotonic() + _beat(t.lease_seconds)
+    # The owner heartbeats its waiting ticket from the start, not from the agent's ``queued``:
+    # a busy machine may start the agent after a short lease has run out.
+    beat = time.monotonic() + _beat(t.lease_seconds)
     try:
         while True:
             until = min(deadline, beat)
@@ -254,7 +256,8 @@ def _follow(
             msg = chan.recv_until(until)
             if msg is None and not chan.eof and time.monotonic() < deadline:
                 if time.monotonic() >= beat:
-                    # Waiting in line: the whole wait, whatever the lease (its owner is here).
+                    # Waiting (in line, or for the agent to start): the whole wait, whatever the
+                    # lease, while its owner is here.
                     with contextlib.suppress(NotHeld):
                         lk.renew(t.ticket_id, t.lease_seconds)
                     beat = time.monotonic() + _beat(t.lease_seconds)
@@ -276,6 +279,11 @@ def _follow(
         chan.close()
         raise
     cur = lk.read(t.ticket_id) or t
+    if last != protocol.READY and cur.state == HELD and not chan.eof:
+        # Promoted just as the wait ran out: its agent is taking the lock. Hear it say so,
+        # or the caller is told "held" with no token, and the agent lets go of it for nobody.
+        last = _await_ready(chan) or last
+        cur = lk.read(t.ticket_id) or t
     if last is None and chan.eof and cur.live:
         cur = tickets.end_orphan(lk, cur)  # every write end closed: the agent died without a word
     out = _outcome(backend, lk, cur)
@@ -287,6 +295,17 @@ def _follow(
         return out, None
     chan.close()
     return out, None
+
+
+def _await_ready(chan: Channel) -> str | None:
+    """``ready`` from an agent that holds (None: it said something else, or went)."""
+    until = time.monotonic() + _AGENT_START_SECONDS
+    while (msg := chan.recv_until(until)) is not None:
+        if msg.kind == protocol.READY:
+            return protocol.READY
+        if msg.kind != protocol.QUEUED:
+            return None
+    return None
 
 
 def _prune() -> None:

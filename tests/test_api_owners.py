@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -323,3 +324,71 @@ def test_a_retry_after_busy_resumes_the_kept_ticket_and_enters_once_promoted(
     r = procs.finish(p, timeout=60)
     assert r.returncode == 0, r
     assert facts(r.stdout) == [{"held": busy["busy"], "promoted": True}]
+
+
+# -- 4. an agent that starts late -------------------------------------------------------------
+
+
+def _stopped_agents(marker: bytes) -> list[int]:
+    """This test's agents (its marker in their environment) stopped at a pause point."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes()
+                state = (d / "stat").read_text().rpartition(")")[2].split()[0]
+            except OSError:
+                continue
+            if b"singleflight.agent" in cmd and marker in env.split(b"\0") and state == "T":
+                out.append(int(d.name))
+    return out
+
+
+def test_a_waiter_whose_agent_starts_late_keeps_its_place(backend: str, procs: Procs, work: Path) -> None:
+    """A busy machine may start the agent after the waiting ticket's own lease has run out (a
+    3 s lease at a load of 8 lost its place that way): its owner is here and waiting, so the
+    ticket is its to keep while the agent starts, not cancelled for want of a heartbeat.
+    The agent is frozen right after it daemonised (a pause point) for twice the lease."""
+    gate, holder = _held_gate(procs, work)
+    waiter = procs.start(
+        script("""
+            with Lock("J", lease_seconds=2, wait_seconds=60) as held:
+                say(fence=held.fence)
+        """),
+        env={**procs.env, "PEARING_FAULT": "pause-agent-start"},
+    )
+    agent = wait_for(lambda: _stopped_agents(procs.marker)[:1], 15, "the agent to stop at its start")[0]
+    stopped_at = time.monotonic()
+    wait_for(lambda: time.monotonic() - stopped_at >= 4, 10, "twice the lease to pass")
+    os.kill(agent, signal.SIGCONT)
+    wait_for(lambda: lock_status(procs, "J")["waiters"], 15, "the late agent to queue")
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    r = procs.finish(waiter, timeout=30)
+    assert r.returncode == 0, r
+    assert [f["fence"] > 0 for f in facts(r.stdout)] == [True], r
+
+
+def test_a_waiter_promoted_as_its_wait_runs_out_holds_with_its_token(backend: str, procs: Procs, work: Path) -> None:
+    """The agent took the lock right as its owner's wait ran out, and tells it a moment later
+    (frozen at a pause point between the two): the block runs under its fence, never a
+    ``NotHeld: held`` with the lock then let go for nobody."""
+    gate, holder = _held_gate(procs, work)
+    waiter = procs.start(
+        script("""
+            with Lock("J", lease_seconds=30, wait_seconds=2) as held:
+                say(fence=held.fence, token=bool(held.token_file) and os.path.exists(held.token_file))
+        """),
+        env={**procs.env, "PEARING_FAULT": "pause-agent-ready"},
+    )
+    wait_for(lambda: lock_status(procs, "J")["waiters"], 15, "the Lock to queue")
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    agent = wait_for(lambda: _stopped_agents(procs.marker)[:1], 15, "the agent to stop before it says ready")[0]
+    stopped_at = time.monotonic()
+    wait_for(lambda: time.monotonic() - stopped_at >= 3, 10, "the owner's wait to run out")
+    os.kill(agent, signal.SIGCONT)
+    r = procs.finish(waiter, timeout=30)
+    assert r.returncode == 0, r
+    out = facts(r.stdout)
+    assert len(out) == 1 and out[0]["fence"] > 0 and out[0]["token"], r

@@ -115,6 +115,11 @@ class EtcdTickets:
             before = deadline_mono(t)
             if before is not None and before <= time.monotonic():
                 raise NotHeld(ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
+            if t.state == WAITING and t.holder_host == os.uname().nodename and _is_me(t.holder_pid, t.holder_start):
+                # Not adopted yet: we created it and answer for it until its agent starts (a busy
+                # machine may start it late), so our heartbeat keeps its key too. Only ours:
+                # anyone else's heartbeat must not keep a dead waiter's key in line.
+                self.cluster.keepalive(kv["lease"])
             stamp_lease(t, seconds)
             body = records.value(
                 t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
@@ -226,6 +231,11 @@ class EtcdTickets:
             fence = int(last["value"]) if last is not None and last["value"].isdigit() else None
         # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
         return Line(entries, held=bool(q), fence=fence, extra={"etcd_mutex_prefix": self.mutex.prefix})
+
+
+def _is_me(pid: int | None, start: int | None) -> bool:
+    """Is this process the one a ticket names (its pid and start time)?"""
+    return pid == os.getpid() and start == proc.start_time(pid)
 
 
 def ticket_of(mutex: Mutex, ticket_id: str) -> tuple[Ticket, dict[str, Any] | None] | None:
