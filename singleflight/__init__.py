@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
-__all__ = ["Busy", "LeaseLost", "Lock", "__version__"]
+__all__ = ["Busy", "LeaseLost", "Lock", "Thread", "__version__"]
 
 if TYPE_CHECKING:
-    from singleflight.api import Busy, LeaseLost, Lock
+    from singleflight.api import Busy, LeaseLost, Lock, Thread
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Busy", "LeaseLost", "Lock"):
+    if name in ("Busy", "LeaseLost", "Lock", "Thread"):
         from singleflight import api
 
         return getattr(api, name)

@@ -224,3 +224,71 @@ class Lock:
                 pass
         finally:
             chan.close()
+
+
+class Thread:
+    """Thread ``number`` of a scope, as a fenced target (the seed's thread service)::
+
+        with Lock("thread-work.42", repo="teams/platform/website") as held:
+            t = Thread("teams/platform/website", 42)
+            if not any(r["kind"] == "implementation" for r in t.tree()["replies"]):
+                t.reply("implementation", "Done.", links=["branch:codex/thread-42"], fence=held.fence)
+
+    ``reply`` is stored only if its fence is >= the highest the thread has accepted (else
+    ``StaleFence``); without ``fence`` it takes ``PEARING_FENCE`` inside a pearing-run of
+    ``thread-work.N``, else the fence of a ticket this identity holds on it (else ``NotHeld``
+    subclass ``NoFence``); ``unfenced=True`` stores a note with none.
+    """
+
+    def __init__(
+        self,
+        repo: str,
+        number: int,
+        *,
+        lock_dir: str | None = None,
+        backend: str | None = None,
+        identity: str | None = None,
+    ) -> None:
+        self.repo, self.number = names.scope(repo, "repo"), names.thread(number, "number")
+        self.lock_dir = resolve_lock_dir(lock_dir)
+        self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
+        self.identity = identities.resolve(identity)
+
+    def tree(self) -> dict[str, Any]:
+        from singleflight.rules import threads
+
+        b = open_backend(self.backend, self.lock_dir)
+        try:
+            return threads.tree(b, self.repo, self.number)
+        finally:
+            b.close()
+
+    def reply(
+        self,
+        kind: str,
+        body: str,
+        links: tuple[str, ...] | list[str] = (),
+        parent: str | None = None,
+        fence: int | None = None,
+        *,
+        unfenced: bool = False,
+    ) -> dict[str, Any]:
+        from singleflight.rules import threads
+
+        b = open_backend(self.backend, self.lock_dir)
+        try:
+            return threads.reply(
+                b,
+                self.repo,
+                self.number,
+                kind=kind,
+                body=body,
+                links=list(links),
+                parent=parent,
+                fence=fence,
+                unfenced=unfenced,
+                identity=self.identity,
+                env=os.environ,
+            )
+        finally:
+            b.close()

@@ -262,6 +262,15 @@ class Backend(Protocol):
 
     def accept_fence(self, resource: str, fence: int) -> int: ...
 
+    # -- the thread service (a fenced target): rules/threads.py ------------------------------
+    def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
+        """The thread's replies in the order it accepted them, and the highest fence it accepted."""
+
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+        """Store ``reply`` in one atomic step, only if its fence (None: an unfenced note) is >= the
+        thread's highest (else StaleFence) and its parent, if any, is a reply of the thread (else
+        BadValue); a higher fence becomes the thread's highest. A reply sent twice is stored once."""
+
 
 def backend_url(flag: str | None, env_value: str | None) -> str:
     """``--backend``, else PEARING_BACKEND, else the local lock dir; checked, never opened."""

@@ -39,6 +39,8 @@ TOOLS = {
     "update_user_activity",
     "list_locks",
     "verify_token",
+    "get_thread_tree",
+    "create_reply",
 }
 SEED = {  # the seed walkthrough's MCP call, verbatim but for the request uuid
     "repo": "teams/platform/website",
@@ -212,7 +214,7 @@ async def _in_line(c: Client, ref: dict[str, str]) -> bool:
 # -- the tool list ---------------------------------------------------------------------------
 
 
-async def test_lists_the_seven_tools_with_the_seed_arguments(tmp_path: Path, agents: set[int]) -> None:
+async def test_lists_the_nine_tools_with_the_seed_arguments(tmp_path: Path, agents: set[int]) -> None:
     async with serve(tmp_path, agents) as c:
         tools = {t.name: t for t in (await c.session.list_tools()).tools}
     assert set(tools) == TOOLS
@@ -237,6 +239,10 @@ async def test_lists_the_seven_tools_with_the_seed_arguments(tmp_path: Path, age
     assert set(tools["update_user_activity"].input_schema["properties"]) == {"activity", "clear"}
     assert set(tools["list_locks"].input_schema["properties"]) == {"repo", "lock_name"}
     assert set(tools["verify_token"].input_schema["properties"]) == {"token_file"}
+    assert set(tools["get_thread_tree"].input_schema["properties"]) == {"repo", "thread"}
+    reply = tools["create_reply"].input_schema
+    assert set(reply["properties"]) == {"repo", "thread", "kind", "body", "links", "parent_id", "fence", "unfenced"}
+    assert set(reply["required"]) == {"repo", "thread", "kind", "body"} and reply["additionalProperties"] is False
 
 
 # -- one ticket's life -----------------------------------------------------------------------

@@ -47,3 +47,30 @@ def render(locks: list[dict[str, Any]]) -> str:
     if not locks:
         lines.append("(no locks)")
     return "\n".join(lines) + "\n"
+
+
+def render_thread(tree: dict[str, Any]) -> str:
+    """``get-thread-tree`` on a terminal: one line per reply under its parent, then its text.
+    Every field is somebody's text: printed through ``printable``."""
+    fence = tree["fence"] if tree["fence"] is not None else "none yet"
+    lines = [f"{printable(tree['repo'])} #{tree['thread']}  ({tree['lock_name']}, highest fence {fence})"]
+
+    def walk(replies: list[dict[str, Any]], indent: str) -> None:
+        for i, r in enumerate(replies):
+            last = i == len(replies) - 1
+            mark, cont = ("└─ ", "   ") if last else ("├─ ", "│  ")
+            fenced = f"fence {r['fence']}" if r["fence"] is not None else "unfenced"
+            head = (
+                f"{printable(r['kind'])} by {printable(r['identity'])}, {fenced}, {r['created_at']}  [{r['reply_id']}]"
+            )
+            lines.append(indent + mark + head)
+            for text in r["body"].splitlines() or [""]:
+                lines.append(indent + cont + "  " + printable(text))
+            for link in r["links"]:
+                lines.append(indent + cont + "  -> " + printable(link))
+            walk(r["replies"], indent + cont)
+
+    walk(tree["replies"], "")
+    if not tree["replies"]:
+        lines.append("(no replies)")
+    return "\n".join(lines) + "\n"

@@ -34,7 +34,7 @@ from singleflight.core.log import Log
 PROG = "pearing-cli"
 app = typer.Typer(
     name=PROG,
-    help="Lock commands of the Pearing CLI, on the lock dir or etcd. Output is JSON on stdout.",
+    help="Lock commands and the thread service of the Pearing CLI, on the lock dir or etcd. Output is JSON on stdout.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,
@@ -202,6 +202,57 @@ def status(
         if not watch:
             return
         time.sleep(every)
+
+
+@app.command("get-thread-tree")
+def get_thread_tree(
+    repo: Annotated[str, typer.Argument(help="Scope, e.g. teams/platform/website.")],
+    thread: Annotated[str, typer.Argument(help="Thread number, e.g. 42.")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
+) -> None:
+    """Show a thread's replies, nested, and the highest fence it accepted. A tree on a terminal, JSON otherwise."""
+    from singleflight.rules import threads
+
+    found = threads.tree(_backend(), names.scope(repo, "REPO"), names.thread(thread, "THREAD"))
+    if sys.stdout.isatty() and not as_json:
+        from singleflight.cli._table import render_thread
+
+        sys.stdout.write(render_thread(found))
+    else:
+        _emit(found)
+
+
+@app.command("create-reply")
+def create_reply(  # noqa: PLR0917 - typer maps each parameter to one flag of the seed's command
+    repo: Annotated[str, typer.Argument(help="Scope, e.g. teams/platform/website.")],
+    thread: Annotated[str, typer.Argument(help="Thread number, e.g. 42.")],
+    kind: Annotated[str, typer.Option("--kind", help="What the reply is, e.g. implementation.")],
+    body: Annotated[str, typer.Option("--body", help="The reply's text (at most 64 KiB).")],
+    link: Annotated[list[str] | None, typer.Option("--link", help="KIND:TARGET, e.g. branch:codex/thread-42.")] = None,
+    parent: Annotated[str | None, typer.Option("--parent", help="Reply id to answer (default: the thread).")] = None,
+    fence: Annotated[
+        str | None, typer.Option("--fence", help="Fence to carry (default PEARING_FENCE, else the held ticket's).")
+    ] = None,
+    unfenced: Annotated[bool, typer.Option("--unfenced", help="A note with no fence (a person's).")] = False,
+) -> None:
+    """Add a reply, only under the newest fence: exit 1 'stale fence N < M' and nothing written otherwise."""
+    from singleflight.rules import threads
+
+    stored = threads.reply(
+        _backend(),
+        names.scope(repo, "REPO"),
+        names.thread(thread, "THREAD"),
+        kind=kind,
+        body=body,
+        links=link or [],
+        parent=parent,
+        fence=fence,
+        unfenced=unfenced,
+        identity=identity.resolve(_state.identity),
+        env=os.environ,
+        spelling={"kind": "--kind", "body": "--body", "link": "--link", "parent": "--parent", "fence": "--fence"},
+    )
+    _emit(stored)
 
 
 def main(argv: list[str] | None = None) -> int:

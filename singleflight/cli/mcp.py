@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
+from singleflight.cli import mcp_threads
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
@@ -325,6 +326,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
         ),
         (list_locks, "Who holds what in a scope: holder, fence, lease left, waiters in order."),
         (verify_token, "Whether a token file belongs to the live holder of its lock right now (ok, reason)."),
+        *mcp_threads.tools(ops._call, ops.identity, run),
     ]
     return MCPServer(
         name=PROG,

@@ -195,9 +195,82 @@ def exit_status(value: str | int, what: str = "--busy-exit-code") -> int:
     return _integer(value, what, 0, 255)
 
 
-def fence(value: str | int) -> int:
+def fence(value: str | int, what: str = "fence") -> int:
     """A fence: 1 to MAX_FENCE (etcd revisions are int64)."""
-    return _integer(value, "fence", 1, MAX_FENCE)
+    return _integer(value, what, 1, MAX_FENCE)
+
+
+# -- the thread service -----------------------------------------------------------------------
+MAX_THREAD: Final = 10**15  # a thread number: a positive decimal, as an issue or PR number is
+MAX_REPLY_BODY: Final = 64 * 1024  # bytes of UTF-8
+MAX_LINK: Final = 1024
+MAX_LINKS: Final = 32
+REPLY_KIND_PATTERN: Final = r"^[a-z][a-z0-9-]{0,31}$"
+_KIND_FIRST: Final = frozenset("abcdefghijklmnopqrstuvwxyz")
+_KIND_CHARS: Final = _KIND_FIRST | _DIGITS | frozenset("-")
+
+
+def thread(value: str | int, what: str = "thread") -> int:
+    """A thread number: a positive decimal (42), as the seed's ``get-thread-tree REPO 42``."""
+    try:
+        return _integer(value, what, 1, MAX_THREAD)
+    except BadValue:
+        raise BadValue(what, shown(value), "must be a positive decimal number, like 42") from None
+
+
+def reply_kind(value: str, what: str = "kind") -> str:
+    if not (isinstance(value, str) and 1 <= len(value) <= 32 and value[0] in _KIND_FIRST and set(value) <= _KIND_CHARS):
+        raise BadValue(what, shown(value), f"must match {REPLY_KIND_PATTERN}")
+    return value
+
+
+def reply_body(value: str, what: str = "body") -> str:
+    """A reply's text: not blank, at most 64 KiB of UTF-8, no NUL (a C reader would cut it short)."""
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise BadValue(what, shown(value), "must be text, not blank, without NUL bytes")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:  # a lone surrogate from a hostile JSON string
+        raise BadValue(what, shown(value), "must be valid Unicode text") from None
+    if size > MAX_REPLY_BODY:
+        raise BadValue(what, f"{size} bytes", f"must be at most {MAX_REPLY_BODY} bytes")
+    return value
+
+
+def reply_link(value: str, what: str = "link") -> str:
+    """``KIND:TARGET``, e.g. ``branch:codex/thread-42``: a kind as a reply's, then a non-blank target."""
+    if not isinstance(value, str):
+        raise BadValue(what, shown(value), "must be KIND:TARGET, like branch:codex/thread-42")
+    kind, colon, target = value.partition(":")
+    ok = (
+        colon
+        and target.strip()
+        and len(value) <= MAX_LINK
+        and "\0" not in value
+        and not any(c in target for c in "\n\r")
+    )
+    if not ok:
+        raise BadValue(
+            what, shown(value), f"must be KIND:TARGET (at most {MAX_LINK} characters), like branch:codex/thread-42"
+        )
+    try:
+        reply_kind(kind)
+    except BadValue:
+        raise BadValue(what, shown(value), f"must start with a KIND matching {REPLY_KIND_PATTERN}, then ':'") from None
+    return value
+
+
+def reply_links(values: Sequence[str], what: str = "link") -> list[str]:
+    if isinstance(values, str) or len(values) > MAX_LINKS:
+        raise BadValue(what, shown(values), f"must be a list of at most {MAX_LINKS} links")
+    return [reply_link(v, what) for v in values]
+
+
+def reply_id(value: str, what: str = "parent") -> str:
+    """A reply id (we mint them as UUIDs): a canonical lower-case UUID."""
+    if not isinstance(value, str) or not is_uuid(value):
+        raise BadValue(what, shown(value), "must be a reply id (a UUID like 8-4-4-4-12 hex digits)")
+    return value
 
 
 _UNIT_SECONDS: Final = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}

@@ -340,3 +340,13 @@ class EtcdBackend:
 
     def accept_fence(self, resource: str, fence: int) -> int:
         return recipe_guard.accept_fence(self.cluster, resource, fence)
+
+    def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
+        from singleflight.etcd.threads import Threads
+
+        return Threads(self.cluster).read(repo, thread)
+
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+        from singleflight.etcd.threads import Threads
+
+        Threads(self.cluster).add(repo, thread, reply)

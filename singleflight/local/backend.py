@@ -333,3 +333,13 @@ class LocalBackend:
         from singleflight.core import ledger
 
         return ledger.accept(self.dir.root, "ledger.json", resource, fence)
+
+    def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
+        from singleflight.local.threads import Threads  # sqlite3: the thread service's, not pearing-run's
+
+        return Threads(self.dir.root).read(repo, thread)
+
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+        from singleflight.local.threads import Threads
+
+        Threads(self.dir.root).add(repo, thread, reply)

@@ -1,0 +1,113 @@
+"""The thread service on etcd: keys under the tenant prefix, beside the scope's locks.
+
+    /PREFIX/SCOPE/#thread/N/fence        the highest fence the thread accepted (decimal)
+    /PREFIX/SCOPE/#thread/N/r/REPLY_ID   a reply (JSON); the thread's order is their create revision
+
+``#`` is in no scope segment (``[A-Za-z0-9._-]``) and locks live under ``@``: a thread's keys
+never meet another scope's or a lock's. A reply lands in one transaction that compares the
+fence key's mod revision with the one its check read, so a lower fence is never stored after
+a higher one, and the parent is read in the same compare (a reply is never deleted). Sent
+twice (a member that applied it and died before answering), it finds its own key and is done.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from singleflight.core.errors import BackendUnavailable, BadValue, CorruptRecord, StaleFence
+from singleflight.core.record import epoch, loads
+from singleflight.etcd.client import Cluster, cmp, op_put
+
+# Writers of one thread race only each other; each loser reads again at once.
+_TRIES = 64
+
+
+class Threads:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def _base(self, repo: str, thread: int) -> str:
+        return f"{self.cluster.root}{repo}/#thread/{thread}/"
+
+    def read(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
+        base = self._base(repo, thread)
+        kvs, _ = self.cluster.range_prefix(base)  # oldest create revision first: the order accepted
+        highest = None
+        replies = []
+        for kv in kvs:
+            if kv["key"] == base + "fence":
+                highest = self._fence(kv)
+            elif kv["key"].startswith(base + "r/"):
+                replies.append(self._reply(kv))
+        return replies, highest
+
+    def add(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+        base = self._base(repo, thread)
+        where = f"thread {repo}#{thread}"
+        key, fence_key = base + "r/" + reply["reply_id"], base + "fence"
+        body = json.dumps(reply, sort_keys=True).encode()
+        fence = reply["fence"]
+        for _ in range(_TRIES):
+            mine = self.cluster.get(key)
+            if mine is not None and self._reply(mine)["reply_id"] == reply["reply_id"]:
+                return  # our earlier attempt was applied
+            top = self.cluster.get(fence_key)
+            highest = self._fence(top) if top is not None else None
+            if fence is not None and highest is not None and fence < highest:
+                raise StaleFence(where, fence, highest)
+            checks = [
+                cmp(fence_key, "MOD", "EQUAL", top["mod_revision"])
+                if top is not None
+                else cmp(fence_key, "CREATE", "EQUAL", 0),
+                cmp(key, "CREATE", "EQUAL", 0),
+            ]
+            parent = reply["parent_id"]
+            if parent is not None:
+                found = self.cluster.get(base + "r/" + parent)
+                if found is None:
+                    raise BadValue("parent", parent, f"is not a reply of {where}")
+                checks.append(cmp(found["key"], "CREATE", "EQUAL", found["create_revision"]))
+            puts = [op_put(key, body)]
+            if fence is not None and (highest is None or fence > highest):
+                puts.append(op_put(fence_key, str(fence).encode()))
+            if self.cluster.txn(checks, puts, []).get("succeeded"):
+                return
+        raise BackendUnavailable(self.cluster.url, f"{where}: {_TRIES} writers in a row changed it first")
+
+    @staticmethod
+    def _fence(kv: dict[str, Any]) -> int:
+        text = kv["value"].decode(errors="replace")
+        if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) >= 1):
+            raise CorruptRecord(f"etcd:{kv['key']}", f"not a fence: {text[:40]!r}")
+        return int(text)
+
+    @staticmethod
+    def _reply(kv: dict[str, Any]) -> dict[str, Any]:
+        where = f"etcd:{kv['key']}"
+        try:
+            r = loads(kv["value"])
+        except ValueError as exc:
+            raise CorruptRecord(where, f"not a reply: {exc}") from None
+        ok = (
+            isinstance(r, dict)
+            and isinstance(r.get("reply_id"), str)
+            and (r.get("parent_id") is None or isinstance(r.get("parent_id"), str))
+            and isinstance(r.get("kind"), str)
+            and isinstance(r.get("body"), str)
+            and isinstance(r.get("links"), list)
+            and all(isinstance(x, str) for x in r["links"])
+            and isinstance(r.get("identity"), str)
+            and (r.get("fence") is None or (type(r.get("fence")) is int and r["fence"] >= 1))
+            and (r.get("ticket_id") is None or isinstance(r.get("ticket_id"), str))
+        )
+        try:
+            created = epoch(r.get("created_at") if ok else None, "created_at")
+        except TypeError:
+            ok = False
+        if not ok:
+            raise CorruptRecord(where, "a reply field holds a value of the wrong type")
+        return {**{k: r.get(k) for k in _FIELDS}, "created_at": created}
+
+
+_FIELDS = ("reply_id", "parent_id", "kind", "body", "links", "identity", "fence", "ticket_id", "created_at")
