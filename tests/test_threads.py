@@ -291,3 +291,30 @@ def test_the_mcp_thread_tools(backend: str, tmp_path: Path, server_args: list[st
             assert [r["reply_id"] for r in found["replies"][0]["replies"]] == [child["reply_id"]]
 
     anyio.run(main)
+
+
+ANSWERED = Path(__file__).resolve().parents[1] / "contrib" / "thread" / "thread-answered"
+
+
+def test_the_readmes_recipe_a_promoted_waiter_skips_work_already_replied_for(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """Two responders woken by one event: the first replies; the second, promoted after it,
+    reads the thread in its --skip-if and skips (exit 0, no second reply)."""
+    gate = Gate(work)
+    handle = (
+        f'{gate.script()}; {q(PEARING_CLI)} create-reply {REPO} 42 --kind implementation --body "by $PEARING_FENCE"'
+    )
+    args = ("--repo", REPO, "--job", "thread-work.42", "--wait-seconds", "60")
+    skip = ("--skip-if", f"{q(sys.executable)} {q(ANSWERED)} {REPO} 42")
+    env = {**procs.env, "PATH": f"{Path(PEARING_CLI).parent}:{procs.env.get('PATH', '')}"}  # as installed
+    first = procs.pr(*args, *skip, "--", "sh", "-c", handle, env=env)
+    gate.wait_ready()
+    second = procs.pr(*args, *skip, "--", "sh", "-c", f"touch {q(work / 'second-ran')}", env=env)
+    wait_for(lambda: cli_json(procs, "status", "thread-work.42", "--repo", REPO)[0]["waiters"], 15, "the waiter")
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    assert procs.finish(second, timeout=60).returncode == 0
+    assert not (work / "second-ran").exists(), "the promoted waiter did the work again"
+    replies = tree(procs)["replies"]
+    assert [r["kind"] for r in replies] == ["implementation"], replies
