@@ -44,11 +44,11 @@ _WAIT_ONLY = "wait"
 
 def main(argv: list[str]) -> int:
     url, lock_dir, repo, lock, ticket_id, report_fd, *control = argv
-    # Daemonise: the caller reaps our parent at once, so a long-lived caller
+    # Daemonise: the caller reaps our parent (once it has heard us out), so a long-lived caller
     # (pearing-mcp) collects no zombies; init reaps us when the lease ends.
+    fault.pause("pause-agent-start")  # a machine too busy to start us for a whole lease
     if os.fork() > 0:
         os._exit(0)
-    fault.pause("pause-agent-start")  # a machine too busy to start us for a whole lease
     ensure_std_fds()
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     chan = Channel(int(control[0]) if control else -1, int(report_fd))

@@ -225,8 +225,13 @@ def _start_agent(
     finally:
         for fd in fds:
             os.close(fd)
-    proc.wait()  # the agent daemonises at once; its child keeps the pipes
-    return _follow(backend, lk, t, chan, heard=(None, wait_seconds), control=control, stopped=stopped)
+    # The agent daemonises as soon as its interpreter is up, and its child keeps the pipes. Its
+    # first process is reaped after the follow, not before it: a busy machine may take seconds
+    # to start Python, and the waiting ticket is heartbeat meanwhile (its lease may be short).
+    try:
+        return _follow(backend, lk, t, chan, heard=(None, wait_seconds), control=control, stopped=stopped)
+    finally:
+        proc.wait()
 
 
 def _follow(

@@ -348,7 +348,8 @@ def test_a_waiter_whose_agent_starts_late_keeps_its_place(backend: str, procs: P
     """A busy machine may start the agent after the waiting ticket's own lease has run out (a
     3 s lease at a load of 8 lost its place that way): its owner is here and waiting, so the
     ticket is its to keep while the agent starts, not cancelled for want of a heartbeat.
-    The agent is frozen right after it daemonised (a pause point) for twice the lease."""
+    The agent is frozen right before it daemonises (a pause point) for twice the lease: its
+    owner, which waited for that first process to exit, must heartbeat meanwhile."""
     gate, holder = _held_gate(procs, work)
     waiter = procs.start(
         script("""

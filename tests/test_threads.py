@@ -318,3 +318,26 @@ def test_the_readmes_recipe_a_promoted_waiter_skips_work_already_replied_for(
     assert not (work / "second-ran").exists(), "the promoted waiter did the work again"
     replies = tree(procs)["replies"]
     assert [r["kind"] for r in replies] == ["implementation"], replies
+
+
+def test_the_terminal_tree_nests_and_escapes_control_characters() -> None:
+    from singleflight.cli._table import render_thread
+
+    def node(body: str, kids: list[dict[str, Any]], fence: int | None = 3) -> dict[str, Any]:
+        return {
+            "reply_id": "r",
+            "kind": "note",
+            "identity": "a@h",
+            "fence": fence,
+            "created_at": "T",
+            "body": body,
+            "links": ["branch:x\x1b[2J"],
+            "replies": kids,
+        }
+
+    t = {"repo": "s", "thread": 4, "lock_name": "thread-work.4", "fence": 3}
+    text = render_thread({**t, "replies": [node("top\x1b]0;pwned\x07", [node("kid", [], None)]), node("b", [])]})
+    assert "\x1b" not in text and "\\x1b]0;pwned" in text
+    assert text.splitlines()[1].startswith("├─ note by a@h, fence 3")
+    assert any(line.startswith("│  └─ note by a@h, unfenced") for line in text.splitlines())
+    assert render_thread({**t, "fence": None, "replies": []}).endswith("(no replies)\n")
