@@ -319,7 +319,7 @@ def test_readme_recipe_runs_for_two_responders_and_a_replay(caps: Caps, procs: P
         f"touch {q(answered)}\n"
         "pearing-cli update-user-activity --clear >/dev/null\n"
     )
-    (bin_dir / "thread-already-answered").write_text(f"#!/bin/sh\ntest -e {q(answered)}\n")
+    (bin_dir / "thread-answered").write_text(f"#!/bin/sh\ntest -e {q(answered)}\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = dict(procs.env, PATH=f"{bin_dir}:{BIN_DIR}:{os.environ['PATH']}", EVENT_UUID=str(uuid.uuid4()))
