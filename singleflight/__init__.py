@@ -12,10 +12,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
-__all__ = ["Busy", "LeaseLost", "Lock", "Thread", "__version__"]
+__all__ = [
+    "BadValue",
+    "Busy",
+    "LeaseLost",
+    "Lock",
+    "NotHeld",
+    "PearingError",
+    "StaleFence",
+    "Thread",
+    "UsageError",
+    "__version__",
+]
+_ERRORS = ("BadValue", "NotHeld", "PearingError", "StaleFence", "UsageError")
 
 if TYPE_CHECKING:
     from singleflight.api import Busy, LeaseLost, Lock, Thread
+    from singleflight.core.errors import BadValue, NotHeld, PearingError, StaleFence, UsageError
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from singleflight import api
 
         return getattr(api, name)
+    if name in _ERRORS:
+        from singleflight.core import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'singleflight' has no attribute {name!r}")

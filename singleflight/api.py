@@ -54,7 +54,8 @@ _RELEASE_WAIT = 30.0
 
 
 class Busy(PearingError):
-    """The wait ran out. ``ticket`` is the ticket as it stood, waiting in line.
+    """The wait ran out. ``ticket`` is the ticket as it stands: ``waiting`` when kept, else
+    ``cancelled``.
 
     With a ``request_uuid`` of the caller's, it keeps its FIFO place for its lease, as
     ``pearing-cli acquire-lock``'s exit 75 does: a retry with the same uuid resumes it
@@ -194,10 +195,12 @@ class Lock:
                 cancel_in_progress=self.cancel_in_progress,
             )
             if out.code == ExitCode.BUSY:
+                ticket = out.ticket
                 if not self._own_uuid:
+                    # Nobody could resume it: cancelled, and Busy shows it so (not "waiting").
                     with contextlib.suppress(PearingError):
-                        ops.release(backend, self.name, self.repo, out.ticket["ticket_id"])
-                raise Busy(out.ticket, kept=self._own_uuid)
+                        ticket = ops.release(backend, self.name, self.repo, out.ticket["ticket_id"])
+                raise Busy(ticket, kept=self._own_uuid)
         finally:
             backend.close()
         if out.code != ExitCode.OK or chan is None:

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, get_ticket, lock_status, q, wait_for, wait_queued
 
 from singleflight.core.const import ExitCode
@@ -44,6 +45,21 @@ def test_import_is_cheap_and_public() -> None:
     from singleflight import Busy, LeaseLost, Lock
 
     assert issubclass(Busy, Exception) and issubclass(LeaseLost, Exception) and callable(Lock)
+    # The errors a caller catches are exported, and a bad value is the builtin that fits.
+    from singleflight import BadValue, NotHeld, PearingError, StaleFence, Thread, UsageError
+
+    assert issubclass(BadValue, ValueError) and issubclass(UsageError, ValueError)
+    assert all(issubclass(e, PearingError) for e in (BadValue, NotHeld, StaleFence, UsageError, Busy, LeaseLost))
+    with pytest.raises(ValueError, match="lock name"):
+        Lock("bad name")
+    assert callable(Thread)
+
+
+def test_the_package_says_it_is_typed() -> None:
+    """PEP 561: ``mypy --strict`` on a user's code reads our annotations."""
+    import importlib.resources
+
+    assert importlib.resources.files("singleflight").joinpath("py.typed").is_file()
 
 
 def test_fence_rises_across_two_blocks_and_the_token_is_live_only_inside(backend: str, procs: Procs) -> None:
@@ -83,7 +99,8 @@ def test_busy_when_the_wait_runs_out_and_nothing_is_left_behind(backend: str, pr
     )
     assert r.returncode == 0, r
     (fact,) = facts(r.stdout)
-    assert fact["busy"] and fact["state"] == "waiting" and fact["kept"] is False
+    # Not kept (no request uuid of the caller's): cancelled, and Busy says so, not "waiting".
+    assert fact["busy"] and fact["state"] == "cancelled" and fact["kept"] is False
     assert fact["code"] == ExitCode.BUSY
     assert 0.9 <= fact["waited"] < 10
     # Without a request uuid of the caller's the place is cancelled: no waiter remains.

@@ -242,3 +242,10 @@ def test_every_front_end_names_every_backend_form_in_its_help(command: str) -> N
     flat = " ".join(out.stdout.replace("│", " ").split())
     for s in schemes.SCHEMES:
         assert s.form in flat, (s.form, out.stdout)
+
+
+@pytest.mark.parametrize("command", ["pearing-run", "pearing-cli", "pearing-guard", "pearing-mcp"])
+def test_dash_h_is_help_on_every_command(command: str) -> None:
+    exe = Path(sys.executable).with_name(command)
+    out = subprocess.run([str(exe), "-h"], check=False, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "usage" in out.stdout.lower() and out.stderr == "", out

@@ -38,6 +38,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # -h, as the other three commands
 )
 
 

@@ -24,7 +24,7 @@ class PearingError(Exception):
     exit_code: ExitCode = ExitCode.SOFTWARE
 
 
-class BadValue(PearingError):
+class BadValue(PearingError, ValueError):
     """A flag, name, scope, uuid, number or path that breaks its rule."""
 
     exit_code = ExitCode.USAGE
@@ -34,7 +34,7 @@ class BadValue(PearingError):
         super().__init__(f"bad {what} {value!r}: {rule}")
 
 
-class UsageError(PearingError):
+class UsageError(PearingError, ValueError):
     exit_code = ExitCode.USAGE
 
 
