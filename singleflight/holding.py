@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from singleflight.core import fault, protocol
 from singleflight.core.const import CANCELLED, EXPIRED, RELEASED, ExitCode
 from singleflight.core.errors import PearingError
+from singleflight.core.log import Seconds
 from singleflight.core.reasons import EndReason, Loss
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class HeldRun:
             repo=o.repo,
             fence=taken.fence,
             ticket=self.ticket.ticket_id,
-            waited=f"{self.waited:.3f}s",
+            waited=Seconds(self.waited),
             promoted=int(self.ticket.promoted),
         )
         env = command_env(o, self.ticket, taken)
@@ -136,7 +137,7 @@ class HeldRun:
             return
         if not self.o.heartbeat_auto and loss.expired:
             # The usual cause with --heartbeat manual: COMMAND stopped heartbeating (hung?).
-            self.log.event("heartbeat-missed", lock=self.o.job, lease=f"{self.o.lease_seconds:g}s")
+            self.log.event("heartbeat-missed", lock=self.o.job, lease=Seconds(self.o.lease_seconds))
         self.log.event("lease-lost", lock=self.o.job, reason=loss.text)
         self.metrics.record("lease_lost", holding=True)
 

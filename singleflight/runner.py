@@ -28,7 +28,7 @@ from singleflight.core.const import (
     WAITING,
 )
 from singleflight.core.errors import PearingError
-from singleflight.core.log import Log
+from singleflight.core.log import Log, Seconds
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import new_uuid4
 from singleflight.core.ticket import Ticket
@@ -139,7 +139,7 @@ class Runner:
 
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
-            self.log.event("waiting", lock=o.job, position=position, max_wait=f"{o.wait_seconds:g}s")
+            self.log.event("waiting", lock=o.job, position=position, max_wait=Seconds(o.wait_seconds))
             if lk.holder_waits_too and self.standby is None:
                 from singleflight.bootstrap import fork_holder
 
@@ -162,7 +162,7 @@ class Runner:
             elif not self.ticket.promoted:
                 self.log.event("busy", lock=o.job, repo=o.repo)
             else:
-                self.log.event("wait-timeout", lock=o.job, waited=f"{self.waited:.3f}s")
+                self.log.event("wait-timeout", lock=o.job, waited=Seconds(self.waited))
             return None
         return grip
 

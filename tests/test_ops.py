@@ -112,7 +112,9 @@ def test_lease_lost_line_and_json_format(caps: Caps, procs: Procs, work: Path) -
     assert [e["event"] for e in events] == ["acquired", "heartbeat-missed", "lease-lost"]
     assert events[0]["prog"] == "pearing-run" and events[0]["ts"].endswith("Z")
     assert isinstance(events[0]["fence"], int) and (not caps.contiguous_fences or events[0]["fence"] == 1)
-    assert events[1]["lease"] == "2s"
+    # Durations are numbers of seconds in JSON, and every line has its level (as journald's).
+    assert events[1]["lease"] == 2 and isinstance(events[0]["waited"], float), events
+    assert [e["level"] for e in events] == ["info", "warning", "warning"]
     assert events[2]["reason"] == "lease expired"
 
 

@@ -3,7 +3,10 @@
 One line per event on stderr, only with ``-v``; errors always:
 
     text:  PROG: EVENT key=value ...        PROG: error: MESSAGE
-    json:  {"ts": ..., "prog": ..., "event": ..., "key": value, ...}
+    json:  {"ts": ..., "level": ..., "prog": ..., "event": ..., "key": value, ...}
+
+A duration (``Seconds``) reads ``24.615s`` in text and is a number of seconds in JSON; ``level``
+is the event's syslog level (error, warning, notice, info), the same one journald gets.
 
 Under systemd (JOURNAL_STREAM names our stderr) each line starts with a
 ``<N>`` priority prefix, so journald files errors and lost leases at the
@@ -19,6 +22,7 @@ import time
 # sd-daemon(3) priorities.
 _ERR, _WARNING, _NOTICE, _INFO = 3, 4, 5, 6
 _PRIORITY = {"lease-lost": _WARNING, "wait-timeout": _NOTICE, "heartbeat-missed": _WARNING}
+_LEVEL = {_ERR: "error", _WARNING: "warning", _NOTICE: "notice", _INFO: "info"}
 FORMATS = ("text", "json")
 
 
@@ -32,6 +36,15 @@ def _journald_stderr() -> bool:
     except OSError:
         return False
     return st.st_dev == int(dev) and st.st_ino == int(ino)
+
+
+class Seconds(float):
+    """A duration in a log line: ``24.615s`` as text, ``24.615`` in JSON."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return f"{round(float(self), 3):g}s"
 
 
 class Log:
@@ -54,7 +67,8 @@ class Log:
         if self.fmt == "json":
             import json
 
-            obj = {"ts": _now(), "prog": self.prog, "event": name, **{k: v for k, v in fields.items() if v is not None}}
+            shown = {k: round(float(v), 3) if isinstance(v, Seconds) else v for k, v in fields.items() if v is not None}
+            obj = {"ts": _now(), "level": _LEVEL[priority], "prog": self.prog, "event": name, **shown}
             line = json.dumps(obj)
         elif name in ("error", "refused"):
             line = f"{self.prog}: {name}: {next(iter(fields.values()))}"
