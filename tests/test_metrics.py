@@ -56,7 +56,7 @@ def read(mdir: Path, repo: str = REPO, job: str = JOB) -> dict[str, float]:
         assert family.documentation
         assert family.type in ("gauge", "counter")
         for sample in family.samples:
-            assert sample.labels == {"job": job, "repo": repo}
+            assert sample.labels == {"pearing_job": job, "pearing_repo": repo}
             assert sample.timestamp is None  # node_exporter refuses sample timestamps
             out[sample.name] = sample.value
     return out
@@ -358,6 +358,37 @@ def test_corrupt_or_foreign_previous_file_restarts_counters(mdir: Path, content:
     assert "pearing_run_last_end_timestamp_seconds" not in got
 
 
+def test_a_file_with_the_old_job_and_repo_labels_keeps_its_counters(mdir: Path) -> None:
+    """Before 0.3 the labels were ``job`` / ``repo`` (which Prometheus renames to
+    ``exported_job`` on scrape): such a file is read, then rewritten with the new ones."""
+    mdir.mkdir()
+    old = f'pearing_run_busy_total{{job="{JOB}",repo="{REPO}"}} 41\n'
+    (mdir / file_name(REPO, JOB)).write_text(old)
+    record(str(mdir), REPO, JOB, "busy", now=1.0)
+    assert read(mdir)["pearing_run_busy_total"] == 42
+    assert 'job="' not in (mdir / file_name(REPO, JOB)).read_text().replace("pearing_job=", "")
+
+
+def test_the_readme_alert_selects_the_series_a_scrape_gets(mdir: Path) -> None:
+    """The README's alert, ``...{pearing_job="checkin"}``, against the textfile as a scrape
+    parses it (prometheus_client): the label it names is there, with the job's name."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    alert = next(line for line in readme.splitlines() if "expr:" in line and "last_success" in line)
+    selector = alert.split("{", 1)[1].split("}", 1)[0]
+    key, _, value = selector.partition("=")
+    record(str(mdir), "default", "checkin", "start", now=1.0)
+    record(str(mdir), "default", "checkin", "end", now=2.0, exit_code=0, duration=1.0, started=1.0)
+    text = (mdir / file_name("default", "checkin")).read_text()
+    found = [
+        s
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "pearing_run_last_success_timestamp_seconds"
+    ]
+    assert found and all(s.labels.get(key) == value.strip('"') for s in found), (selector, found)
+    assert key != "job"  # a scrape would rename it to exported_job
+
+
 def test_unknown_series_dropped_counters_kept(mdir: Path) -> None:
     record(str(mdir), REPO, JOB, "busy", now=1.0)
     target = mdir / file_name(REPO, JOB)
@@ -507,7 +538,7 @@ def test_labels_escaped_validly(repo: str, job: str) -> None:
     data = promtext.render({"pearing_run_busy_total": 3, "pearing_run_last_duration_seconds": 0.5}, repo, job)
     samples = [s for f in text_string_to_metric_families(data.decode()) for s in f.samples]
     assert {s.name: s.value for s in samples}["pearing_run_busy_total"] == 3
-    assert all(s.labels == {"job": job, "repo": repo} for s in samples)
+    assert all(s.labels == {"pearing_job": job, "pearing_repo": repo} for s in samples)
     assert promtext.parse(data, repo, job) == {
         "pearing_run_running": 0,
         "pearing_run_runs_total": 0,

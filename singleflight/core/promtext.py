@@ -64,6 +64,13 @@ def _escape(value: str) -> str:
 
 
 def _labels(repo: str, job: str) -> str:
+    # Not ``job`` / ``repo``: Prometheus renames a scraped ``job`` label to ``exported_job``,
+    # so an alert on {job="checkin"} matched nothing.
+    return f'pearing_job="{_escape(job)}",pearing_repo="{_escape(repo)}"'
+
+
+def _old_labels(repo: str, job: str) -> str:
+    """The labels of files written before 0.3 (``job``, ``repo``): read once, then rewritten."""
     return f'job="{_escape(job)}",repo="{_escape(repo)}"'
 
 
@@ -85,7 +92,7 @@ def parse(data: bytes, repo: str, job: str) -> State | None:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    want = _labels(repo, job) + "}"
+    wants = {_labels(repo, job) + "}", _old_labels(repo, job) + "}"}
     state: State = {}
     for line in text.split("\n"):
         if not line or line[0] == "#":
@@ -94,7 +101,7 @@ def parse(data: bytes, repo: str, job: str) -> State | None:
         name, _, labels = series.partition("{")
         if name not in _KINDS:
             continue
-        if labels != want:
+        if labels not in wants:
             return None
         number = _parse_value(name, value)
         if number is None:
