@@ -130,7 +130,7 @@ def _metrics(metrics_dir: Path) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(path.read_text()):
         for sample in family.samples:
-            assert sample.labels == {"job": "J", "repo": "default"}
+            assert sample.labels == {"pearing_job": "J", "pearing_repo": "default"}
             out[sample.name] = sample.value
     return out
 
