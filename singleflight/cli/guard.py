@@ -256,11 +256,14 @@ def cmd_git_push(argv: list[str], log: Log) -> int:
 
 
 def _write(stdout: bytes, stderr: bytes) -> None:
+    """git's output, byte for byte. The push is done by now: a closed or broken stream must
+    not turn its status into ours (an internal error)."""
     for stream, data in ((sys.stdout, stdout), (sys.stderr, stderr)):
-        if data and stream is not None:
-            stream.flush()
-            stream.buffer.write(data)
-            stream.flush()
+        if data and stream is not None:  # None when started with that fd closed
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+                stream.buffer.write(data)
+                stream.flush()
 
 
 COMMANDS = {"verify": cmd_verify, "exec": cmd_exec, "fence": cmd_fence, "git-push": cmd_git_push}
