@@ -3,6 +3,10 @@
 pearing-guard verify [--token-file F] [--backend URL] [--json]
 pearing-guard exec [--max-seconds S] [--token-file F] [--backend URL] -- CMD [ARG...]
 pearing-guard fence --resource NAME --fence N [--ledger PATH] [--backend URL]
+pearing-guard git-push [--fence N] [--lock L --repo S] REMOTE REFSPEC...
+
+``git-push`` talks only to git: the fence, lock and scope come from the flags or from
+the environment pearing-run gives its COMMAND (singleflight.gitpush).
 
 ``--backend`` (default PEARING_BACKEND, else the lock dir), as pearing-run and pearing-cli
 take it: where a token from PEARING_TOKEN lives, and whose ledger ``fence`` uses. A token
@@ -19,17 +23,17 @@ import signal
 import sys
 from typing import NoReturn
 
-from singleflight import __version__, guard
+from singleflight import __version__, gitpush, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli._script import script
 from singleflight.core import fault, names, schemes
-from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ExitCode
-from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ENV_FENCE, ENV_LOCK, ENV_REPO, ExitCode
+from singleflight.core.errors import BadValue, PearingError, ToolFailed, UsageError
 from singleflight.core.log import Log
 
 PROG = "pearing-guard"
-SYNOPSIS = "verify|exec|fence [options] [-- CMD...]"
+SYNOPSIS = "verify|exec|fence|git-push [options] [-- CMD...] [REMOTE REFSPEC...]"
 TOKEN_FILE = Option("--token-file", dest="token_file", metavar="F", help="token file (default PEARING_TOKEN_FILE)")
 HELP = Option("-h", "--help", dest="help", flag=True, help="show this help and exit")
 JSON = Option("--json", dest="json", flag=True, help="print the verdict (fence: the result) as JSON")
@@ -54,6 +58,13 @@ FENCE = [
     JSON,
     HELP,
 ]
+GIT_PUSH = [
+    Option("--fence", dest="fence", metavar="N", help=f"the holder's fence (default {ENV_FENCE})"),
+    Option("--lock", dest="lock", metavar="L", help=f"the lock's name (default {ENV_LOCK})"),
+    Option("--repo", dest="repo", metavar="S", help=f"the lock's scope (default {ENV_REPO})"),
+    HELP,
+]
+GIT_PUSH_SYNOPSIS = "git-push [--fence N] [--lock L --repo S] REMOTE REFSPEC..."
 _TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _CAUGHT = (*_TERMINAL, *_FORWARDED)
@@ -66,13 +77,16 @@ def _help(opts: list[Option], synopsis: str) -> int:
 
 def _overview() -> str:
     """``pearing-guard --help``: what each command is for, then the options they share."""
-    shared = list({o.names: o for o in VERIFY + EXEC + FENCE if o is not HELP}.values())
+    # FENCE last: its --fence's help is the one shown (the dict keeps the last of each name).
+    shared = list({o.names: o for o in VERIFY + EXEC + GIT_PUSH + FENCE if o is not HELP}.values())
     return (
         f"usage: {PROG} {SYNOPSIS}\n\n"
         "commands:\n"
         "  verify                       exit 0 only while the run's token is live (else 1, with the reason)\n"
         "  exec -- CMD                  run CMD only under a live token; the lock waits for CMD to end\n"
-        "  fence                        accept a write's fence only if no higher one was accepted\n\n"
+        "  fence                        accept a write's fence only if no higher one was accepted\n"
+        "  git-push REMOTE REFSPEC...   git push the refspecs and the lock's fence ref atomically,\n"
+        "                               refused if the remote holds a higher fence\n\n"
         + usage(PROG, "COMMAND -h", shared).split("\n", 2)[2]
         + f"  {'--version':<28} print the version and exit\n"
         + f"  {'-h, --help':<28} show this help (COMMAND -h: that command's)\n"
@@ -209,7 +223,50 @@ def cmd_fence(argv: list[str], log: Log) -> int:
     return 0
 
 
-COMMANDS = {"verify": cmd_verify, "exec": cmd_exec, "fence": cmd_fence}
+# git-push's flags as its usage line spells them, and the variable each defaults from: the
+# environment pearing-run gives its COMMAND.
+_GIT_PUSH_DEFAULTS = (("fence", "--fence N", ENV_FENCE), ("lock", "--lock L", ENV_LOCK), ("repo", "--repo S", ENV_REPO))
+
+
+def _git_push_target(values: dict[str, object]) -> dict[str, str]:
+    """fence, lock and repo: each flag, else its variable (``--fence=`` is a bad fence, not absent)."""
+    given = {dest: values.get(dest, os.environ.get(var)) for dest, _, var in _GIT_PUSH_DEFAULTS}
+    missing = [(spelt, var) for dest, spelt, var in _GIT_PUSH_DEFAULTS if given[dest] is None]
+    if missing:
+        flags, variables = " and ".join(m[0] for m in missing), ", ".join(m[1] for m in missing)
+        raise UsageError(f"git-push needs {flags} (or {variables}, as pearing-run sets for its COMMAND)")
+    return {dest: str(value) for dest, value in given.items()}
+
+
+def cmd_git_push(argv: list[str], log: Log) -> int:
+    values, rest = parse(argv, GIT_PUSH, positional=True)
+    if values.get("help"):
+        return _help(GIT_PUSH, GIT_PUSH_SYNOPSIS)
+    target = _git_push_target(values)
+    if not rest:
+        raise UsageError("git-push needs REMOTE and at least one REFSPEC")
+    fence = names.fence(target["fence"])
+    try:
+        out = gitpush.push(rest[0], rest[1:], fence=fence, scope=target["repo"], lock=target["lock"])
+    except ToolFailed as exc:  # git's own failure: its words and its status, untouched
+        _write(exc.stdout, exc.stderr)
+        return exc.status
+    _write(out.stdout, out.stderr)
+    return 0
+
+
+def _write(stdout: bytes, stderr: bytes) -> None:
+    """git's output, byte for byte. The push is done by now: a closed or broken stream must
+    not turn its status into ours (an internal error)."""
+    for stream, data in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        if data and stream is not None:  # None when started with that fd closed
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+                stream.buffer.write(data)
+                stream.flush()
+
+
+COMMANDS = {"verify": cmd_verify, "exec": cmd_exec, "fence": cmd_fence, "git-push": cmd_git_push}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         handler = COMMANDS.get(args[0])
         if handler is None:
-            raise UsageError(f"unknown command {args[0]!r}: use verify, exec or fence")
+            raise UsageError(f"unknown command {args[0]!r}: use verify, exec, fence or git-push")
         return handler(args[1:], log)
     except PearingError as exc:
         if exc.exit_code == ExitCode.REFUSED:

@@ -105,3 +105,58 @@ class BackendUnavailable(PearingError):
     def __init__(self, url: str, detail: str) -> None:
         self.url = url
         super().__init__(f"backend {url} unreachable: {detail}")
+
+
+class Refused(PearingError):
+    """A side effect refused before anything was done, for a reason the user must act on."""
+
+    exit_code = ExitCode.REFUSED
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class StaleRefFence(Refused):
+    """A fenced git push under a lower fence than the one the remote's fence ref holds."""
+
+    def __init__(self, ref: str, fence: int, highest: int) -> None:
+        self.ref, self.fence, self.highest = ref, fence, highest
+        super().__init__(f"stale fence {fence} < {highest}")
+
+
+class CorruptFenceRef(PearingError):
+    """A fence ref on a remote that does not hold a fence commit: never overwritten."""
+
+    exit_code = ExitCode.IOERR
+
+    def __init__(self, remote: str, ref: str, detail: str) -> None:
+        self.remote, self.ref = remote, ref
+        super().__init__(f"corrupt fence ref {ref} on {remote}: {detail} (fix or remove it by hand; it is never reset)")
+
+
+class FenceContended(PearingError):
+    """Every try of a fenced push lost the race for the fence ref to another push."""
+
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, remote: str, ref: str, tries: int) -> None:
+        self.remote, self.ref, self.tries = remote, ref, tries
+        super().__init__(f"fence ref {ref} on {remote} moved under each of {tries} tries; nothing pushed")
+
+
+class ToolNotFound(PearingError):
+    exit_code = ExitCode.NOTFOUND
+
+    def __init__(self, tool: str) -> None:
+        self.tool = tool
+        super().__init__(f"{tool} not found on PATH")
+
+
+class ToolFailed(PearingError):
+    """An external tool (git) failed on its own: its status and output are passed on unchanged,
+    so the front end writes ``stderr`` as it is and exits ``status``, never this class's code."""
+
+    def __init__(self, argv: list[str], status: int, stdout: bytes, stderr: bytes) -> None:
+        self.argv, self.status, self.stdout, self.stderr = argv, status, stdout, stderr
+        super().__init__(f"{argv[0]} exited {status}")
