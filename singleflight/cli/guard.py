@@ -75,10 +75,16 @@ def _help(opts: list[Option], synopsis: str) -> int:
     return 0
 
 
+_FENCE_ANY = Option(
+    "--fence", dest="fence", metavar="N", help=f"the writer's fence (fence: required; git-push: default {ENV_FENCE})"
+)
+
+
 def _overview() -> str:
     """``pearing-guard --help``: what each command is for, then the options they share."""
-    # FENCE last: its --fence's help is the one shown (the dict keeps the last of each name).
-    shared = list({o.names: o for o in VERIFY + EXEC + GIT_PUSH + FENCE if o is not HELP}.values())
+    # An option two commands spell alike but mean apart (--fence) is shown once, in general words.
+    shared = list({o.names: o for o in VERIFY + EXEC + FENCE + GIT_PUSH if o is not HELP}.values())
+    shared = [_FENCE_ANY if o.names == ("--fence",) else o for o in shared]
     return (
         f"usage: {PROG} {SYNOPSIS}\n\n"
         "commands:\n"
