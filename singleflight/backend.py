@@ -246,8 +246,9 @@ class Backend(Protocol):
 
     def lock(self, repo: str, lock: str, *, create: bool = True) -> LockOps: ...
 
-    def locks(self, repo: str) -> list[str]:
-        """The names of the scope's locks."""
+    def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
+        """(scope, lock) of every lock with a ticket in line or holding (``idle``: of every lock
+        the store keeps state for) in scope ``repo``, or in every scope (None); sorted."""
 
     def read_activity(self, identity: str) -> str | None: ...
 

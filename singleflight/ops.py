@@ -372,5 +372,7 @@ def update_activity(backend: Backend, identity: str, activity: str | None) -> di
     return {"identity": identity, "activity": activity}
 
 
-def status(backend: Backend, repo: str, lock: str | None) -> list[dict[str, Any]]:
-    return tickets.statuses(backend, names.scope(repo), None if lock is None else names.lock_name(lock))
+def status(backend: Backend, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
+    """``repo`` None: every scope."""
+    scope = None if repo is None else names.scope(repo)
+    return tickets.statuses(backend, scope, None if lock is None else names.lock_name(lock), idle=idle)

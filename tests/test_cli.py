@@ -24,6 +24,7 @@ from caps import Caps
 from helpers import (
     PEARING_CLI,
     PEARING_RUN,
+    Gate,
     Procs,
     TextResult,
     line_file,
@@ -569,3 +570,29 @@ def test_get_shows_the_expiry_the_last_heartbeat_set(backend: str, work_procs: P
     assert hb.returncode == 0, hb
     seen = [_get(work_procs, tid).json["lease_expires_at"] for _ in range(3)]
     assert seen == [hb.json["lease_expires_at"]] * 3, (hb.json["lease_expires_at"], seen)
+
+
+def test_status_lists_locks_in_use_and_idle_ones_only_when_asked(backend: str, procs: Procs, work: Path) -> None:
+    """After many short runs (thread-work.1..N), status lists only the locks someone holds or
+    waits for; --idle adds the free ones; --all spans every scope; a lock named is shown free."""
+    for n in range(1, 6):
+        assert procs.pr_run("--job", f"thread-work.{n}", "--repo", "teams/a", "--", "true").returncode == 0
+    gate = Gate(work)
+    holder = procs.pr("--job", "held", "--repo", "teams/b", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+
+    def listed(*args: str) -> list[tuple[str, str, str]]:
+        out = procs.run_text([PEARING_CLI, "status", "--json", *args])
+        assert out.returncode == 0, out
+        return [(x["repo"], x["lock_name"], x["state"]) for x in out.json]
+
+    assert listed("--repo", "teams/a") == []
+    idle = listed("--repo", "teams/a", "--idle")
+    assert idle == [("teams/a", f"thread-work.{n}", "free") for n in range(1, 6)], idle
+    assert listed("--all") == [("teams/b", "held", "held")]
+    assert len(listed("--all", "--idle")) == 6
+    assert listed("thread-work.3", "--repo", "teams/a") == [("teams/a", "thread-work.3", "free")]
+    bad = procs.run_text([PEARING_CLI, "status", "--all", "--repo", "teams/a"])
+    assert bad.returncode == ExitCode.USAGE and "--all" in bad.one_line(), bad
+    gate.open()
+    assert procs.finish(holder).returncode == 0

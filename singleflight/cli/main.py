@@ -175,20 +175,25 @@ def update_user_activity(
 
 
 @app.command("status")
-def status(
+def status(  # noqa: PLR0917 - typer maps each parameter to one flag
     name: Annotated[str | None, typer.Argument(help="Only this lock.", show_default=False)] = None,
     repo: RepoOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Redraw every --interval seconds until ^C.")] = False,
     interval: Annotated[str, typer.Option("--interval", help="Seconds between redraws with --watch.")] = "2",
+    every_scope: Annotated[bool, typer.Option("--all", help="Every scope, not one.")] = False,
+    idle: Annotated[bool, typer.Option("--idle", help="Idle locks too (no holder, nobody waiting).")] = False,
 ) -> None:
-    """Who holds what, waiters, activity, lease left. A table on a terminal, JSON otherwise."""
-    b, scope = _backend(), _repo(repo)
+    """Locks with a holder or waiters: who holds, who waits, activity, lease left. A table on a
+    terminal, JSON otherwise."""
+    if every_scope and (repo is not None or name is not None):
+        raise UsageError("--all spans every scope: give no --repo and no NAME with it")
+    b, scope = _backend(), None if every_scope else _repo(repo)
     only = None if name is None else names.lock_name(name)
     every = names.seconds(interval, "--interval", allow_zero=False)
     table = sys.stdout.isatty() and not as_json
     while True:
-        locks = ops.status(b, scope, only)
+        locks = ops.status(b, scope, only, idle=idle)
         if table:
             from singleflight.cli._table import render
 

@@ -279,6 +279,10 @@ class EtcdLock(EtcdTickets):
         history.write_last_success(self.mutex, ticket.acquired_at or time.time(), ticket.ticket_id)
 
 
+# The tenant's keys that are not scopes (``PREFIX/activity/...``, ``PREFIX/ledger/...``).
+_NOT_SCOPES = frozenset({"activity", "ledger"})
+
+
 class EtcdBackend:
     def __init__(self, url: str, lock_dir: str, *, create: bool = True) -> None:
         parse_url(url)
@@ -316,14 +320,18 @@ class EtcdBackend:
         else:
             self.cluster.put(key, json.dumps({"activity": activity, "at": time.time()}).encode())
 
-    def locks(self, repo: str) -> list[str]:
-        prefix = f"{self.cluster.root}{repo}/@"
-        kvs, _ = self.cluster.range_prefix(prefix, keys_only=True)
+    def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
+        root = self.cluster.root
+        kvs, _ = self.cluster.range_prefix(root if repo is None else f"{root}{repo}/@", keys_only=True)
         found = set()
         for kv in kvs:
-            name, _, kind = kv["key"][len(prefix) :].partition("/")
-            if kind.startswith("q/"):
-                found.add(name)
+            # SCOPE/@LOCK/KIND...: a scope has no '@' (names.scope), so the first "/@" ends it.
+            scope, at, rest = kv["key"][len(root) :].partition("/@")
+            name, _, kind = rest.partition("/")
+            if not at or (repo is not None and scope != repo) or scope.split("/", 1)[0] in _NOT_SCOPES:
+                continue
+            if kind.startswith("q/") or idle:
+                found.add((scope, name))
         return sorted(found)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:

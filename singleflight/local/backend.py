@@ -306,12 +306,16 @@ class LocalBackend:
         except FileNotFoundError:
             raise UnknownLock(repo, lock) from None
 
-    def locks(self, repo: str) -> list[str]:
+    def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
         out = []
         for store in self.dir.iter_locks(repo):
             with store:
-                out.append(store.lock)
-        return out
+                # A lock with tickets in line or holding has a live queue entry or a holder's
+                # pointer to a live ticket; idle ones are left for ``idle`` (``status`` judges
+                # each listed one on its own, so this only keeps the scan cheap).
+                if idle or queue.live_entries(store) or LocalLock(self, store)._taken():
+                    out.append((store.repo, store.lock))
+        return sorted(out)
 
     def read_activity(self, identity: str) -> str | None:
         return self.dir.read_activity(identity)

@@ -103,15 +103,21 @@ def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
     }
 
 
-def statuses(backend: Backend, repo: str, lock: str | None) -> list[dict[str, Any]]:
-    """Every lock of a scope (or one), with its holder and waiters."""
+def statuses(backend: Backend, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
+    """The locks of a scope (None: of every scope) with a holder or waiters, each with them;
+    ``idle`` adds the free ones. One lock asked for by name is shown whatever its state."""
+    if lock is not None:
+        assert repo is not None
+        wanted = [(repo, lock)] if (repo, lock) in backend.locks(repo, idle=True) else []
+    else:
+        wanted = backend.locks(repo, idle=idle)
     out = []
-    for name in backend.locks(repo):
-        if lock is not None and name != lock:
-            continue
-        lk = backend.lock(repo, name)
+    for scope, name in wanted:
+        lk = backend.lock(scope, name)
         try:
-            out.append(status(backend, lk))
+            found = status(backend, lk)
         finally:
             lk.close()  # its token files' directories: a server lives for days
+        if idle or lock is not None or found["holder"] is not None or found["waiters"]:
+            out.append(found)
     return out
