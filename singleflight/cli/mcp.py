@@ -25,6 +25,7 @@ from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli import mcp_threads
 from singleflight.cli._argv import Option, parse, usage
+from singleflight.cli.mcp_tools import closed_tool
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
@@ -42,7 +43,6 @@ from singleflight.core.log import Log
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.tools import Tool
 
 PROG = "pearing-mcp"
 SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--backend URL] [--version]"
@@ -338,33 +338,8 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             "release_lock_ticket when done. A ticket in state 'waiting' keeps its FIFO place while "
             "you retry acquire_lock with the same request_uuid or heartbeat it."
         ),
-        tools=[_closed_tool(fn, description) for fn, description in tools],
+        tools=[closed_tool(fn, description) for fn, description in tools],
     )
-
-
-def _closed_tool(fn: Callable[..., Any], description: str) -> "Tool":
-    """The SDK's Tool for ``fn``, refusing arguments it does not name.
-
-    MCPServer builds each tool's arguments model on ``ArgModelBase``, whose pydantic config
-    keeps the default ``extra="ignore"``: a misspelt ``lease_second`` would be dropped and the
-    call would run with the default lease. No option turns that off per tool
-    (modelcontextprotocol/python-sdk#3067), so the generated model is subclassed with
-    ``extra="forbid"``, and the published schema is rebuilt from it (``additionalProperties:
-    false``). Both are public fields the SDK reads on every call (FuncMetadata documents its
-    fields as read live), and ``MCPServer(tools=...)`` takes ready-made tools.
-    """
-    import types
-
-    from mcp.server.mcpserver.tools import Tool
-    from pydantic import BaseModel, ConfigDict
-
-    tool = Tool.from_function(fn, description=description)
-    loose = tool.fn_metadata.arg_model
-    closed: type[BaseModel] = types.new_class(
-        loose.__name__, (loose,), exec_body=lambda ns: ns.update(model_config=ConfigDict(extra="forbid"))
-    )
-    metadata = tool.fn_metadata.model_copy(update={"arg_model": closed})
-    return tool.model_copy(update={"fn_metadata": metadata, "parameters": closed.model_json_schema(by_alias=True)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)
+    import importlib.util
+
+    try:
+        sdk = importlib.util.find_spec("mcp")
+    except (ImportError, ValueError):  # a finder that refuses it, a broken install
+        sdk = None
+    if sdk is None:
+        log.error("the MCP SDK is not installed: pip install 'pearing-singleflight[mcp]'")
+        return int(ExitCode.UNAVAILABLE)
     try:
         build_server(ops).run("stdio")
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ class ExitCode(IntEnum):
     OK = 0
     REFUSED = 1
     USAGE = 64
+    UNAVAILABLE = 69  # a part of the install is missing (pearing-mcp without its extra)
     SOFTWARE = 70
     CANTCREAT = 73
     IOERR = 74
