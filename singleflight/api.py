@@ -228,6 +228,30 @@ class Lock:
         finally:
             chan.close()
 
+    # -- without a ``with`` (as threading.Lock and filelock offer) ---------------------------
+
+    def acquire(self, timeout: float | None = None) -> Held:
+        """Take the lock as ``with`` does, waiting up to ``timeout`` seconds (None: the Lock's
+        ``wait_seconds``); ``Busy`` when the wait runs out. Pair it with ``release``."""
+        if timeout is None:
+            return self.__enter__()
+        wait, self.wait_seconds = self.wait_seconds, names.seconds(timeout, "timeout")
+        try:
+            return self.__enter__()
+        finally:
+            self.wait_seconds = wait
+
+    def release(self) -> None:
+        """Let the lock go (as leaving the ``with`` block does), in the process that took it."""
+        if self._held is None or self._entered_by != os.getpid():
+            raise UsageError(f"lock {self.name!r} is not held by this Lock object in this process")
+        self.__exit__(None, None, None)
+
+    @property
+    def held(self) -> bool:
+        """Is the lock held by this object, in this process, right now?"""
+        return self._held is not None and self._entered_by == os.getpid()
+
 
 class Thread:
     """Thread ``number`` of a scope, as a fenced target (the seed's thread service)::

@@ -207,3 +207,48 @@ def test_a_process_that_dies_inside_the_block_frees_the_lock(backend: str, procs
     # The agent saw its owner die and released: long before the 30 s lease would run out.
     r = procs.pr_run("--job", "J", "--wait-seconds", "15", "--", "true")
     assert r.returncode == 0 and r.elapsed < 15, r
+
+
+def test_acquire_and_release_without_a_with_block(backend: str, procs: Procs, work: Path) -> None:
+    """``acquire(timeout=)`` / ``release()`` as threading.Lock and filelock have them: the
+    same lock as ``with``, Busy when the timeout runs out, a release only of a held lock."""
+    step, go = work / "step", work / "go"
+    p = procs.start(
+        script(f"""
+            from singleflight import UsageError
+            lock = Lock("J", lease_seconds=30)
+            try:
+                lock.release()
+            except UsageError as exc:
+                say(unheld="not held" in str(exc))
+            held = lock.acquire()
+            say(fence=held.fence, held=lock.held, inside=verify(held.token_file))
+            lock.release()
+            say(held=lock.held, after=verify(held.token_file))
+            again = lock.acquire(timeout=0)
+            say(fence=again.fence)
+            lock.release()
+            open({str(step)!r}, "w").close()
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            try:
+                lock.acquire(timeout=1)
+            except Busy as busy:
+                say(busy=busy.ticket["state"], waited=round(time.monotonic() - t0, 1) >= 0.9, held=lock.held)
+        """)
+    )
+    wait_for(step.exists, 60, "the script's first three steps")
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    go.touch()
+    r = procs.finish(p, timeout=60)
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert r.returncode == 0, r
+    unheld, first, after, second, busy = facts(r.stdout)
+    assert unheld == {"unheld": True}
+    assert first["held"] is True and first["inside"] == 0 and after == {"held": False, "after": 1}
+    assert second["fence"] > first["fence"]
+    assert busy == {"busy": "cancelled", "waited": True, "held": False}
