@@ -240,6 +240,15 @@ async def test_lists_the_nine_tools_with_the_seed_arguments(tmp_path: Path, agen
     assert set(tools["list_locks"].input_schema["properties"]) == {"repo", "lock_name"}
     assert set(tools["verify_token"].input_schema["properties"]) == {"token_file"}
     assert set(tools["get_thread_tree"].input_schema["properties"]) == {"repo", "thread"}
+    # The protocol in the descriptions a model reads, and hints a client can act on.
+    acquire = tools["acquire_lock"].description or ""
+    assert all(w in acquire for w in ("'waiting' is not an error", "'held'", "heartbeat", "release", "fence"))
+    hints = {name: t.annotations for name, t in tools.items()}
+    assert all(h is not None for h in hints.values()), hints
+    read_only = {name for name, h in hints.items() if h and h.read_only_hint}
+    assert read_only == {"get_lock_ticket", "list_locks", "verify_token", "get_thread_tree"}
+    assert {name for name, h in hints.items() if h and h.destructive_hint} == {"release_lock_ticket"}
+    assert {name for name, h in hints.items() if h and not h.idempotent_hint} == {"create_reply"}
     reply = tools["create_reply"].input_schema
     assert set(reply["properties"]) == {"repo", "thread", "kind", "body", "links", "parent_id", "fence", "unfenced"}
     assert set(reply["required"]) == {"repo", "thread", "kind", "body"} and reply["additionalProperties"] is False

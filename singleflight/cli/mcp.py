@@ -25,7 +25,7 @@ from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli import mcp_threads
 from singleflight.cli._argv import Option, parse, usage
-from singleflight.cli.mcp_tools import closed_tool
+from singleflight.cli.mcp_tools import DESCRIPTIONS, HINTS, closed_tool
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
@@ -315,19 +315,17 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
     ) -> dict[str, Any]:
         return await run(ops.verify, token_file)
 
-    tools: list[tuple[Callable[..., Any], str]] = [
-        (acquire_lock, "Take a lock or queue for it in FIFO order; returns the ticket, held or waiting."),
-        (get_lock_ticket, "Show one ticket: state, fence, lease expiry, holder, queue position."),
-        (heartbeat_lock_ticket, "Renew the lease of a held or waiting ticket; an error means you lost it: stop."),
-        (release_lock_ticket, "Release a held ticket or leave the queue; idempotent."),
-        (
-            update_user_activity,
-            "Set (activity) or clear (clear=true) what this identity is doing, shown on its tickets.",
-        ),
-        (list_locks, "Who holds what in a scope: holder, fence, lease left, waiters in order."),
-        (verify_token, "Whether a token file belongs to the live holder of its lock right now (ok, reason)."),
-        *mcp_threads.tools(ops._call, ops.identity, run),
+    own: list[Callable[..., Any]] = [
+        acquire_lock,
+        get_lock_ticket,
+        heartbeat_lock_ticket,
+        release_lock_ticket,
+        update_user_activity,
+        list_locks,
+        verify_token,
     ]
+    tools = [(fn, DESCRIPTIONS[fn.__name__]) for fn in own]
+    tools += mcp_threads.tools(ops._call, ops.identity, run)
     return MCPServer(
         name=PROG,
         version=__version__,
@@ -338,7 +336,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             "release_lock_ticket when done. A ticket in state 'waiting' keeps its FIFO place while "
             "you retry acquire_lock with the same request_uuid or heartbeat it."
         ),
-        tools=[closed_tool(fn, description) for fn, description in tools],
+        tools=[closed_tool(fn, description, HINTS[fn.__name__]) for fn, description in tools],
     )
 
 

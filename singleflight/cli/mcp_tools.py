@@ -1,4 +1,5 @@
-"""The SDK glue pearing-mcp needs beyond the SDK's own: tools that refuse unknown arguments."""
+"""What pearing-mcp's tools say of themselves (descriptions, annotations), and the SDK glue it
+needs beyond the SDK's own: tools that refuse unknown arguments."""
 
 # No ``from __future__ import annotations``: see cli/mcp.py.
 
@@ -8,8 +9,47 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mcp.server.mcpserver.tools import Tool
 
+# MCP tool annotations (hints to a client): (read-only, destructive, idempotent). A release ends a
+# ticket (destructive) but again is a no-op (idempotent); a reply is new every time.
+HINTS: dict[str, tuple[bool, bool, bool]] = {
+    "acquire_lock": (False, False, True),
+    "get_lock_ticket": (True, False, True),
+    "heartbeat_lock_ticket": (False, False, True),
+    "release_lock_ticket": (False, True, True),
+    "update_user_activity": (False, False, True),
+    "list_locks": (True, False, True),
+    "verify_token": (True, False, True),
+    "get_thread_tree": (True, False, True),
+    "create_reply": (False, False, False),
+}
 
-def closed_tool(fn: Callable[..., Any], description: str) -> "Tool":
+# What each of pearing-mcp's own tools says of itself: the protocol, in two or three sentences.
+DESCRIPTIONS: dict[str, str] = {
+    "acquire_lock": (
+        "Take a lock or queue for it in FIFO order, one ticket per request_uuid (a retry with the same "
+        "uuid returns the same ticket). State 'waiting' is not an error: do not act until state is 'held' "
+        "(retry with the same request_uuid, or heartbeat the waiting ticket to keep its place). Once held, "
+        "heartbeat within every lease_seconds, give its fence to every write, and release it when done."
+    ),
+    "get_lock_ticket": "Show one ticket: state, fence, lease expiry, holder, queue position. Read-only.",
+    "heartbeat_lock_ticket": (
+        "Renew the lease of a held or waiting ticket, within every lease_seconds. An error means the "
+        "ticket is no longer yours: stop the contested work at once and write nothing more."
+    ),
+    "release_lock_ticket": (
+        "Release a held ticket (the next waiter is promoted with a larger fence) or leave the queue. "
+        "Idempotent; release every ticket you hold once the contested step is done or unnecessary."
+    ),
+    "update_user_activity": "Set (activity) or clear (clear=true) what this identity is doing, shown on its tickets.",
+    "list_locks": "Which locks of a scope are in use: holder, fence, lease left, waiters in order. Read-only.",
+    "verify_token": (
+        "Whether a token file belongs to the live holder of its lock right now (ok, reason): check it "
+        "right before a side effect. Read-only."
+    ),
+}
+
+
+def closed_tool(fn: Callable[..., Any], description: str, hints: tuple[bool, bool, bool]) -> "Tool":
     """The SDK's Tool for ``fn``, refusing arguments it does not name.
 
     MCPServer builds each tool's arguments model on ``ArgModelBase``, whose pydantic config
@@ -23,9 +63,14 @@ def closed_tool(fn: Callable[..., Any], description: str) -> "Tool":
     import types
 
     from mcp.server.mcpserver.tools import Tool
+    from mcp.types import ToolAnnotations
     from pydantic import BaseModel, ConfigDict
 
-    tool = Tool.from_function(fn, description=description)
+    read_only, destructive, idempotent = hints
+    annotations = ToolAnnotations(
+        read_only_hint=read_only, destructive_hint=destructive, idempotent_hint=idempotent, open_world_hint=False
+    )
+    tool = Tool.from_function(fn, description=description, annotations=annotations)
     loose = tool.fn_metadata.arg_model
     closed: type[BaseModel] = types.new_class(
         loose.__name__, (loose,), exec_body=lambda ns: ns.update(model_config=ConfigDict(extra="forbid"))
