@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 __all__ = [
+    "AsyncLock",
     "BadValue",
     "Busy",
     "LeaseLost",
@@ -27,12 +28,12 @@ __all__ = [
 _ERRORS = ("BadValue", "NotHeld", "PearingError", "StaleFence", "UsageError")
 
 if TYPE_CHECKING:
-    from singleflight.api import Busy, LeaseLost, Lock, Thread
+    from singleflight.api import AsyncLock, Busy, LeaseLost, Lock, Thread
     from singleflight.core.errors import BadValue, NotHeld, PearingError, StaleFence, UsageError
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Busy", "LeaseLost", "Lock", "Thread"):
+    if name in ("AsyncLock", "Busy", "LeaseLost", "Lock", "Thread"):
         from singleflight import api
 
         return getattr(api, name)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -173,6 +173,10 @@ class Lock:
         self._used = False
 
     def __enter__(self) -> Held:
+        return self._enter(None)
+
+    def _enter(self, stopped: Callable[[], bool] | None) -> Held:
+        """``stopped``: asked while waiting; once true the wait ends as if it ran out (Busy)."""
         if self._held is not None:
             if self._entered_by == os.getpid():
                 raise UsageError(f"lock {self.name!r} is already held by this Lock object")
@@ -193,6 +197,7 @@ class Lock:
                 control=self.heartbeat,
                 queue_mode=self.queue,
                 cancel_in_progress=self.cancel_in_progress,
+                stopped=stopped,
             )
             if out.code == ExitCode.BUSY:
                 ticket = out.ticket
@@ -247,10 +252,62 @@ class Lock:
             raise UsageError(f"lock {self.name!r} is not held by this Lock object in this process")
         self.__exit__(None, None, None)
 
+    def _leave(self, ticket: dict[str, Any]) -> None:
+        """Give up a kept waiting ticket (an AsyncLock's wait that was cancelled)."""
+        backend = open_backend(self.backend, self.lock_dir)
+        try:
+            with contextlib.suppress(PearingError):
+                ops.release(backend, self.name, self.repo, ticket["ticket_id"])
+        finally:
+            backend.close()
+
     @property
     def held(self) -> bool:
         """Is the lock held by this object, in this process, right now?"""
         return self._held is not None and self._entered_by == os.getpid()
+
+
+class AsyncLock:
+    """``Lock`` for asyncio: ``async with AsyncLock(name, ...) as held``, the same arguments.
+
+    The wait runs in a worker thread, so the event loop serves other tasks meanwhile. A task
+    cancelled while it waits leaves the line (within a fraction of a second) before the
+    CancelledError goes on; one cancelled just as the lock came releases it first. Leaving the
+    block releases, as ``with`` does.
+    """
+
+    def __init__(self, name: str, **options: Any) -> None:
+        self._lock = Lock(name, **options)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
+
+    async def __aenter__(self) -> Held:
+        import asyncio
+        import threading
+
+        stop = threading.Event()
+        work = asyncio.get_running_loop().run_in_executor(None, self._lock._enter, stop.is_set)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            stop.set()
+            while not work.done():  # the wait ends within a poll; nothing is left in line
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([work])
+            failed = None if work.cancelled() else work.exception()
+            if failed is None and not work.cancelled():
+                await asyncio.get_running_loop().run_in_executor(None, self._lock.release)
+            elif isinstance(failed, Busy) and failed.kept:
+                # A request uuid of the caller's keeps a place after Busy; a cancel gives it up.
+                await asyncio.get_running_loop().run_in_executor(None, self._lock._leave, failed.ticket)
+            raise
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, self._lock.__exit__, exc_type, exc, tb)
 
 
 class Thread:

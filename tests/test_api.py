@@ -252,3 +252,64 @@ def test_acquire_and_release_without_a_with_block(backend: str, procs: Procs, wo
     assert first["held"] is True and first["inside"] == 0 and after == {"held": False, "after": 1}
     assert second["fence"] > first["fence"]
     assert busy == {"busy": "cancelled", "waited": True, "held": False}
+
+
+def test_async_lock_waits_without_blocking_the_loop_and_a_cancelled_wait_leaves_the_line(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    queued = work / "queued"
+    p = procs.start(
+        script(f"""
+            import asyncio
+            from singleflight import AsyncLock
+
+            async def main():
+                for own in (None, "11111111-2222-4333-8444-555555555555"):
+                    waiter = asyncio.create_task(AsyncLock("J", wait_seconds=60, request_uuid=own).__aenter__())
+                    go, polls = {str(queued)!r} + str(own is not None), 0
+                    # This loop runs while the waiter waits: a wait that blocked the event loop
+                    # would stop it (and the test would time out).
+                    while not os.path.exists(go):  # the test sees it in line, then says go
+                        await asyncio.sleep(0.01)
+                        polls += 1
+                    waiter.cancel()
+                    try:
+                        await waiter
+                    except asyncio.CancelledError:
+                        say(cancelled=True, loop_ran=polls > 0)
+                    while not os.path.exists(go + ".next"):  # the test saw the line empty
+                        await asyncio.sleep(0.01)
+
+            asyncio.run(main())
+        """)
+    )
+    for kept in ("False", "True"):
+        wait_queued(procs, "J", 1, timeout=30)  # the async waiter is in line
+        (work / f"queued{kept}").touch()  # now it is cancelled
+        wait_for(lambda: not lock_status(procs, "J")["waiters"], 5, "the cancelled waiter to leave the line")
+        (work / f"queued{kept}.next").touch()
+    r = procs.finish(p, timeout=60)
+    assert r.returncode == 0, r
+    assert facts(r.stdout) == [{"cancelled": True, "loop_ran": True}] * 2, r
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    ok = procs.run(
+        script("""
+            import asyncio
+            from singleflight import AsyncLock
+
+            async def main():
+                async with AsyncLock("J", lease_seconds=30) as held:
+                    say(fence=held.fence, inside=verify(held.token_file))
+                say(after=verify(held.token_file))
+
+            asyncio.run(main())
+        """),
+        timeout=60,
+    )
+    assert ok.returncode == 0, ok
+    inside, after = facts(ok.stdout)
+    assert inside["inside"] == 0 and inside["fence"] > 0 and after == {"after": 1}
