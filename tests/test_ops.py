@@ -62,6 +62,15 @@ def test_systemd_units_verify_clean(tmp_path: Path) -> None:
     )  # fmt: skip
     problems = [line for line in r.stderr.splitlines() if "pearing" in line]
     assert r.returncode == 0 and not problems, r.stderr
+    # Hardened: systemd's own review rates the unit "OK" (at most 4.0; it was 9.6 UNSAFE).
+    sec = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(units / "pearing-run@checkin.service")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", sec.stdout + sec.stderr)
+    assert score is not None and float(score.group(1)) <= 4.0, sec.stdout[-2000:] + sec.stderr
 
 
 def test_cron_example_hourly_line_runs_once(backend: str, procs: Procs, work: Path) -> None:
