@@ -325,7 +325,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
         verify_token,
     ]
     tools = [(fn, DESCRIPTIONS[fn.__name__]) for fn in own]
-    tools += mcp_threads.tools(ops._call, ops.identity, run)
+    tools += mcp_threads.tools(ops._call, ops.identity, run, Repo)
     return MCPServer(
         name=PROG,
         version=__version__,

@@ -59,19 +59,12 @@ def reply(  # noqa: PLR0917 - one parameter per tool argument
     )
 
 
-def tools(call: Call, identity: str, run: Callable[..., Awaitable[Any]]) -> list[tuple[Callable[..., Any], str]]:
+def tools(
+    call: Call, identity: str, run: Callable[..., Awaitable[Any]], repo_t: Any
+) -> list[tuple[Callable[..., Any], str]]:
+    """The two tools; ``repo_t`` is the scope's annotated type, as pearing-mcp's other tools take it."""
     from pydantic import Field, Strict
 
-    repo_t = Annotated[
-        str,
-        Strict(),
-        Field(
-            min_length=1,
-            max_length=names.MAX_SCOPE,
-            pattern=names.SCOPE_PATTERN,
-            description="Scope, e.g. teams/platform/website.",
-        ),
-    ]
     thread_t = Annotated[int, Strict(), Field(ge=1, le=names.MAX_THREAD, description="Thread number, e.g. 42.")]
 
     async def get_thread_tree(repo: repo_t, thread: thread_t) -> dict[str, Any]:

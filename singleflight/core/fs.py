@@ -336,3 +336,15 @@ def parse_int_record(path: str, data: bytes, *, low: int = 1, high: int = MAX_FE
     if not low <= value <= high:
         raise CorruptRecord(path, f"expected a decimal integer from {low} to {high}, found {text[:40]!r}")
     return value
+
+
+def check_trusted(path: str, st: os.stat_result, what: str) -> None:
+    """A file of ours alone (a ledger, the thread database): a regular file of this user's that
+    nobody else can write. In a sticky shared dir another user may own a file of this name, or
+    make one writable to all, and rewrite what it guards. ``st``: from the open fd."""
+    if not stat.S_ISREG(st.st_mode):
+        raise NotPermitted(path, f"is not a regular file; refusing it as {what}")
+    if st.st_uid != os.geteuid():
+        raise NotPermitted(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise NotPermitted(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")

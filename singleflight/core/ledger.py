@@ -11,28 +11,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import stat
 
 from singleflight.core import fault
 from singleflight.core.const import MAX_FENCE
-from singleflight.core.errors import CorruptRecord, NotPermitted, StaleFence
-from singleflight.core.fs import Dir
+from singleflight.core.errors import CorruptRecord, StaleFence
+from singleflight.core.fs import Dir, check_trusted
 from singleflight.core.record import loads
 
 
 def _trusted(d: Dir, name: str, fd: int) -> None:
-    """A ledger (or its lock file) is ours alone: a regular file of this user's that nobody
-    else can write. In a sticky shared dir another user may own a file of this name, or make
-    one writable to all: either way they could rewrite it to ``{}`` and pass a stale fence.
-    Checked on the open fd, so the file cannot be swapped between check and use."""
-    st = os.fstat(fd)
-    path = d.child_path(name)
-    if not stat.S_ISREG(st.st_mode):
-        raise NotPermitted(path, "is not a regular file; refusing it as a ledger")
-    if st.st_uid != os.geteuid():
-        raise NotPermitted(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise NotPermitted(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
+    """A ledger (or its lock file) is ours alone: a stale fence passed by a rewritten ledger
+    would be accepted. Checked on the open fd, so the file cannot be swapped between check and use."""
+    check_trusted(d.child_path(name), os.fstat(fd), "a ledger")
 
 
 def _table(path: str, data: bytes) -> dict[str, int]:

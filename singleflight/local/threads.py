@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import stat
 import time
 from typing import Any
 
 from singleflight.core.errors import BadValue, CorruptRecord, NotPermitted, StaleFence
-from singleflight.core.fs import Dir
+from singleflight.core.fs import Dir, check_trusted
 from singleflight.core.record import epoch
 
 NAME = "threads.sqlite3"
@@ -41,15 +40,6 @@ _COLUMNS = "reply_id, parent_id, kind, body, links, identity, fence, ticket_id, 
 _BUSY_MS = 30_000
 
 
-def _trusted(path: str, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise NotPermitted(path, "is not a regular file; refusing it as the thread database")
-    if st.st_uid != os.geteuid():
-        raise NotPermitted(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise NotPermitted(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
-
-
 class Threads:
     """The thread service on the lock dir ``root`` (an open, checked ``Dir``)."""
 
@@ -61,7 +51,7 @@ class Threads:
         fd = self.root.open(NAME, os.O_RDWR | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK, 0o600)
         try:
             checked = os.fstat(fd)
-            _trusted(self.path, checked)
+            check_trusted(self.path, checked, "the thread database")
             # By the directory's fd: a symlink put where the lock dir was is not followed.
             by_fd = f"/proc/self/fd/{self.root.fd}/{NAME}"
             db = sqlite3.connect(by_fd, timeout=_BUSY_MS / 1000, isolation_level=None)
