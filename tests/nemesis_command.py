@@ -110,12 +110,15 @@ def run(log: str, cid: str, plan: Plan) -> int:
             continue
         if period is not None and now >= next_hb and (hang_after is None or now - started < hang_after):
             hb = [PEARING_CLI, "heartbeat-lock-ticket", "--lease-seconds", plan.lease]
+            # Every P s from one start to the next (as a cron-like beat is), not P s after the
+            # last one ended: on a loaded machine one pearing-cli start takes seconds, and a
+            # beat that waited P more after it would not come within every lease period.
+            next_hb = max(next_hb + period, now)
             if subprocess.run(hb, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode:
                 # The lease is gone: the caller must stop (SPEC), and does.
                 record(log, "refused", fence, time.monotonic_ns(), me, cid, "heartbeat")
                 record(log, "end", fence, time.monotonic_ns(), me, cid, "refused")
                 return REFUSED
-            next_hb = time.monotonic() + period
             continue
         wake = started + plan.hold
         if period is not None:
