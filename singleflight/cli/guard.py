@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from singleflight import __version__, gitpush, guard
+from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli._script import script
@@ -253,6 +253,8 @@ def cmd_git_push(argv: list[str], log: Log) -> int:
         raise UsageError("git-push needs REMOTE and at least one REFSPEC")
     fence = names.fence(target["fence"])
     try:
+        from singleflight import gitpush  # subprocess and the rest: git-push's, not verify's hot path
+
         out = gitpush.push(rest[0], rest[1:], fence=fence, scope=target["repo"], lock=target["lock"])
     except ToolFailed as exc:  # git's own failure: its words and its status, untouched
         _write(exc.stdout, exc.stderr)
