@@ -267,10 +267,11 @@ class Backend(Protocol):
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
         """The thread's replies in the order it accepted them, and the highest fence it accepted."""
 
-    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
-        """Store ``reply`` in one atomic step, only if its fence (None: an unfenced note) is >= the
-        thread's highest (else StaleFence) and its parent, if any, is a reply of the thread (else
-        BadValue); a higher fence becomes the thread's highest. A reply sent twice is stored once."""
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any], *, highest: int | None) -> bool:
+        """Store ``reply`` and raise the thread's highest fence to its fence if that is higher, in
+        one atomic step, only while the thread's highest is still ``highest`` (None: none yet);
+        False when it changed meanwhile. A reply stored already (sent twice) is True. The rules
+        (the fence judged, the parent) are rules/threads.py's."""
 
 
 def backend_url(flag: str | None, env_value: str | None) -> str:

@@ -224,4 +224,4 @@ def push(remote: str, refspecs: Sequence[str], *, fence: int, scope: str, lock: 
         if _moved(remote, ref, current):
             continue
         raise ToolFailed(["git", "push"], out.status or 1, out.stdout, out.stderr)
-    raise FenceContended(shown_remote(remote), ref, MAX_TRIES)
+    raise FenceContended(f"fence ref {ref} on {shown_remote(remote)}", MAX_TRIES, done="nothing pushed")

@@ -341,3 +341,31 @@ def test_the_terminal_tree_nests_and_escapes_control_characters() -> None:
     assert text.splitlines()[1].startswith("├─ note by a@h, fence 3")
     assert any(line.startswith("│  └─ note by a@h, unfenced") for line in text.splitlines())
     assert render_thread({**t, "fence": None, "replies": []}).endswith("(no replies)\n")
+
+
+def test_a_store_appends_only_while_the_fence_is_the_one_judged(backend: str, procs: Procs, lock_dir: Path) -> None:
+    """The store's half of the rule (rules/threads.py judges the fence): an append made against a
+    highest fence that moved meanwhile is refused (False) and writes nothing; sent twice, once."""
+    from singleflight.backend import open_backend
+
+    assert reply(procs, "--kind", "k", "--body", "first", "--fence", "5").returncode == 0
+    b = open_backend(backend_url(procs.env), str(lock_dir))
+    try:
+        row = {
+            "reply_id": "00000000-0000-4000-8000-000000000001",
+            "parent_id": None,
+            "kind": "k",
+            "body": "judged against an old fence",
+            "links": [],
+            "identity": "a@h",
+            "fence": 4,
+            "ticket_id": None,
+            "created_at": 1.0,
+        }
+        assert b.add_reply(REPO, 42, row, highest=None) is False  # the thread has fence 5 now
+        assert b.add_reply(REPO, 42, {**row, "fence": 6}, highest=5) is True
+        assert b.add_reply(REPO, 42, {**row, "fence": 6}, highest=5) is True  # sent again: one reply
+        rows, highest = b.read_thread(REPO, 42)
+    finally:
+        b.close()
+    assert highest == 6 and [r["body"] for r in rows] == ["first", "judged against an old fence"]

@@ -136,13 +136,14 @@ class CorruptFenceRef(PearingError):
 
 
 class FenceContended(PearingError):
-    """Every try of a fenced push lost the race for the fence ref to another push."""
+    """Every try of a fenced write lost the race for the target's fence to another writer (a push
+    for the fence ref, a reply for its thread's fence): nothing written, try again later (75)."""
 
     exit_code = ExitCode.BUSY
 
-    def __init__(self, remote: str, ref: str, tries: int) -> None:
-        self.remote, self.ref, self.tries = remote, ref, tries
-        super().__init__(f"fence ref {ref} on {remote} moved under each of {tries} tries; nothing pushed")
+    def __init__(self, target: str, tries: int, *, done: str = "nothing written") -> None:
+        self.target, self.tries = target, tries
+        super().__init__(f"{target} moved under each of {tries} tries; {done}")
 
 
 class ToolNotFound(PearingError):

@@ -354,7 +354,7 @@ class EtcdBackend:
 
         return Threads(self.cluster).read(repo, thread)
 
-    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any], *, highest: int | None) -> bool:
         from singleflight.etcd.threads import Threads
 
-        Threads(self.cluster).add(repo, thread, reply)
+        return Threads(self.cluster).add(repo, thread, reply, highest=highest)

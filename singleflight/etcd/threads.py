@@ -5,9 +5,9 @@
 
 ``#`` is in no scope segment (``[A-Za-z0-9._-]``) and locks live under ``@``: a thread's keys
 never meet another scope's or a lock's. A reply lands in one transaction that compares the
-fence key's mod revision with the one its check read, so a lower fence is never stored after
-a higher one, and the parent is read in the same compare (a reply is never deleted). Sent
-twice (a member that applied it and died before answering), it finds its own key and is done.
+fence key's mod revision with the one read, only while its value is the fence the rule judged
+(rules/threads.py), so a lower fence is never stored after a higher one. Sent twice (a member
+that applied it and died before answering), it finds its own key and is done.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from singleflight.core.errors import BackendUnavailable, BadValue, CorruptRecord, StaleFence
+from singleflight.core.errors import CorruptRecord
 from singleflight.core.record import epoch, loads
 from singleflight.etcd.client import Cluster, cmp, op_put
-
-# Writers of one thread race only each other; each loser reads again at once.
-_TRIES = 64
 
 
 class Threads:
@@ -42,38 +39,31 @@ class Threads:
                 replies.append(self._reply(kv))
         return replies, highest
 
-    def add(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+    def add(self, repo: str, thread: int, reply: dict[str, Any], *, highest: int | None) -> bool:
+        """``Backend.add_reply``: one txn over the fence key as read, and the reply's key unused."""
         base = self._base(repo, thread)
-        where = f"thread {repo}#{thread}"
         key, fence_key = base + "r/" + reply["reply_id"], base + "fence"
-        body = json.dumps(reply, sort_keys=True).encode()
+        if self._mine(key, reply):
+            return True  # our earlier attempt was applied
+        top = self.cluster.get(fence_key)
+        if (self._fence(top) if top is not None else None) != highest:
+            return False  # another writer's fence landed since the rule read it
+        checks = [
+            cmp(fence_key, "MOD", "EQUAL", top["mod_revision"])
+            if top is not None
+            else cmp(fence_key, "CREATE", "EQUAL", 0),
+            cmp(key, "CREATE", "EQUAL", 0),
+        ]
         fence = reply["fence"]
-        for _ in range(_TRIES):
-            mine = self.cluster.get(key)
-            if mine is not None and self._reply(mine)["reply_id"] == reply["reply_id"]:
-                return  # our earlier attempt was applied
-            top = self.cluster.get(fence_key)
-            highest = self._fence(top) if top is not None else None
-            if fence is not None and highest is not None and fence < highest:
-                raise StaleFence(where, fence, highest)
-            checks = [
-                cmp(fence_key, "MOD", "EQUAL", top["mod_revision"])
-                if top is not None
-                else cmp(fence_key, "CREATE", "EQUAL", 0),
-                cmp(key, "CREATE", "EQUAL", 0),
-            ]
-            parent = reply["parent_id"]
-            if parent is not None:
-                found = self.cluster.get(base + "r/" + parent)
-                if found is None:
-                    raise BadValue("parent", parent, f"is not a reply of {where}")
-                checks.append(cmp(found["key"], "CREATE", "EQUAL", found["create_revision"]))
-            puts = [op_put(key, body)]
-            if fence is not None and (highest is None or fence > highest):
-                puts.append(op_put(fence_key, str(fence).encode()))
-            if self.cluster.txn(checks, puts, []).get("succeeded"):
-                return
-        raise BackendUnavailable(self.cluster.url, f"{where}: {_TRIES} writers in a row changed it first")
+        puts = [op_put(key, json.dumps(reply, sort_keys=True).encode())]
+        if fence is not None and (highest is None or fence > highest):
+            puts.append(op_put(fence_key, str(fence).encode()))
+        # Failed: the fence moved, or our key is there (a resend the first member had applied).
+        return bool(self.cluster.txn(checks, puts, []).get("succeeded")) or self._mine(key, reply)
+
+    def _mine(self, key: str, reply: dict[str, Any]) -> bool:
+        found = self.cluster.get(key)
+        return found is not None and self._reply(found)["reply_id"] == reply["reply_id"]
 
     @staticmethod
     def _fence(kv: dict[str, Any]) -> int:

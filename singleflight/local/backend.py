@@ -343,7 +343,7 @@ class LocalBackend:
 
         return Threads(self.dir.root).read(repo, thread)
 
-    def add_reply(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+    def add_reply(self, repo: str, thread: int, reply: dict[str, Any], *, highest: int | None) -> bool:
         from singleflight.local.threads import Threads
 
-        Threads(self.dir.root).add(repo, thread, reply)
+        return Threads(self.dir.root).add(repo, thread, reply, highest=highest)

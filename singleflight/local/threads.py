@@ -1,8 +1,8 @@
 """The lock dir's thread service: one SQLite database, ``LOCK_DIR/threads.sqlite3`` (WAL).
 
-A reply and the thread's highest fence change in one ``BEGIN IMMEDIATE`` transaction: the
-fence check, the parent check and the insert see one state, and a lower fence can never be
-stored after a higher one, whatever the interleaving of writers. ``synchronous=FULL``: an
+A reply and the thread's highest fence change in one ``BEGIN IMMEDIATE`` transaction, only while
+the highest fence is still the one the rule judged (rules/threads.py), so a lower fence can never
+be stored after a higher one, whatever the interleaving of writers. ``synchronous=FULL``: an
 accepted fence survives a power cut, so a stale writer is refused after a reboot too.
 
 The database is opened through the lock dir's own fd (``/proc/self/fd/N/...``), so a symlink
@@ -19,7 +19,7 @@ import sqlite3
 import time
 from typing import Any
 
-from singleflight.core.errors import BadValue, CorruptRecord, NotPermitted, StaleFence
+from singleflight.core.errors import CorruptRecord, NotPermitted
 from singleflight.core.fs import Dir, check_trusted
 from singleflight.core.record import epoch
 
@@ -104,28 +104,21 @@ class Threads:
         highest = self._fence(top[0] if top else None, f"thread {repo}#{thread}")
         return [self._reply(r) for r in rows], highest
 
-    def add(self, repo: str, thread: int, reply: dict[str, Any]) -> None:
+    def add(self, repo: str, thread: int, reply: dict[str, Any], *, highest: int | None) -> bool:
+        """``Backend.add_reply``: one ``BEGIN IMMEDIATE`` transaction, the check and the insert."""
         where = f"thread {repo}#{thread}"
+        fence, parent = reply["fence"], reply["parent_id"]
         db = self._connect()
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
                 if db.execute("SELECT 1 FROM replies WHERE reply_id = ?", (reply["reply_id"],)).fetchone():
                     db.execute("ROLLBACK")
-                    return  # stored already (a retry of the same reply)
+                    return True  # stored already (a retry of the same reply)
                 top = db.execute("SELECT fence FROM threads WHERE repo = ? AND thread = ?", (repo, thread)).fetchone()
-                highest = self._fence(top[0] if top else None, where)
-                fence = reply["fence"]
-                if fence is not None and highest is not None and fence < highest:
-                    raise StaleFence(where, fence, highest)
-                parent = reply["parent_id"]
-                if (
-                    parent is not None
-                    and not db.execute(
-                        "SELECT 1 FROM replies WHERE reply_id = ? AND repo = ? AND thread = ?", (parent, repo, thread)
-                    ).fetchone()
-                ):
-                    raise BadValue("parent", parent, f"is not a reply of {where}")
+                if self._fence(top[0] if top else None, where) != highest:
+                    db.execute("ROLLBACK")
+                    return False  # another writer's fence landed since the rule read it
                 db.execute(
                     f"INSERT INTO replies (repo, thread, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
@@ -149,6 +142,7 @@ class Threads:
                         (repo, thread, fence),
                     )
                 db.execute("COMMIT")
+                return True
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")

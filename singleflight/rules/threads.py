@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from singleflight.core import names
 from singleflight.core.const import ENV_FENCE, ENV_LOCK, ENV_REPO, ENV_TICKET, HELD
-from singleflight.core.errors import NotHeld, PearingError, UnknownLock, UsageError
+from singleflight.core.errors import (
+    BadValue,
+    FenceContended,
+    NotHeld,
+    PearingError,
+    StaleFence,
+    UnknownLock,
+    UsageError,
+)
 from singleflight.core.record import new_uuid4, rfc3339
 
 if TYPE_CHECKING:
@@ -95,8 +103,29 @@ def reply(
         row["fence"], row["ticket_id"] = _fence_of(
             backend, repo, number, fence, identity=identity, env=env, what=say["fence"]
         )
-    backend.add_reply(repo, number, row)
+    _store(backend, repo, number, row)
     return {**row, "created_at": rfc3339(now), "replies": []}
+
+
+# Writers of one thread race only each other; each loser reads again at once.
+_TRIES = 64
+
+
+def _store(backend: Backend, repo: str, thread: int, row: dict[str, Any]) -> None:
+    """The rule, once for every store: a fence below the thread's highest is refused, a parent
+    must be a reply of this thread (replies are never removed: one seen stays), and the store
+    appends only while the highest it holds is the one judged here (else judged again)."""
+    where = f"thread {repo}#{thread}"
+    fence, parent = row["fence"], row["parent_id"]
+    for _ in range(_TRIES):
+        rows, highest = backend.read_thread(repo, thread)
+        if parent is not None and all(r["reply_id"] != parent for r in rows):
+            raise BadValue("parent", parent, f"is not a reply of {where}")
+        if fence is not None and highest is not None and fence < highest:
+            raise StaleFence(where, fence, highest)
+        if backend.add_reply(repo, thread, row, highest=highest):
+            return
+    raise FenceContended(f"the fence of {where}", _TRIES)
 
 
 def _fence_of(
