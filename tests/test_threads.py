@@ -247,11 +247,19 @@ def test_the_python_thread_replies_under_the_blocks_fence(backend: str, procs: P
     assert [(x["body"], x["fence"]) for x in flat(found)] == [("done", fence), ("and a child", fence)]
 
 
-def test_a_corrupt_reply_is_74_naming_where(backend: str, procs: Procs, caps: Caps, lock_dir: Path) -> None:
+@pytest.mark.parametrize("what", ["reply", "fence"])
+def test_a_corrupt_reply_or_fence_is_74_naming_where_and_kept(
+    backend: str, procs: Procs, caps: Caps, lock_dir: Path, what: str
+) -> None:
+    """Garbage written by hand into a reply or the thread's fence: 74 naming the file or key, for
+    the read and for a write (which must not judge a fence against garbage), and left as it is."""
     assert reply(procs, "--kind", "k", "--body", "fine", "--fence", "3").returncode == 0
     if caps.records_in_lock_dir:
         db = sqlite3.connect(lock_dir / "threads.sqlite3")
-        db.execute("UPDATE replies SET links = ?", (b"\x00not json",))
+        if what == "reply":
+            db.execute("UPDATE replies SET links = ?", (b"\x00not json",))
+        else:
+            db.execute("UPDATE threads SET fence = ?", ("garbage",))
         db.commit()
         db.close()
         where = b"threads.sqlite3"
@@ -261,12 +269,27 @@ def test_a_corrupt_reply_is_74_naming_where(backend: str, procs: Procs, caps: Ca
         url = backend_url(procs.env)
         assert url is not None
         cluster = Cluster(url)
-        [kv] = [kv for kv in cluster.range_prefix(cluster.root)[0] if "/#thread/42/r/" in kv["key"]]
-        cluster.put(kv["key"], b'{"reply_id": 5}')
+        mark = "/#thread/42/r/" if what == "reply" else "/#thread/42/fence"
+        [kv] = [kv for kv in cluster.range_prefix(cluster.root)[0] if mark in kv["key"]]
+        cluster.put(kv["key"], b'{"reply_id": 5}' if what == "reply" else b"-1e3\x00")
         cluster.close()
-        where = b"#thread/42/r/"
-    r = procs.run([PEARING_CLI, "get-thread-tree", REPO, "42"])
-    assert r.returncode == ExitCode.IOERR and where in r.stderr, r
+        where = mark.encode()
+    for args in (
+        ["get-thread-tree", REPO, "42"],
+        ["create-reply", REPO, "42", "--kind", "k", "--body", "x", "--fence", "9"],
+    ):
+        r = procs.run([PEARING_CLI, *args])
+        assert r.returncode == ExitCode.IOERR and where in r.stderr and r.stderr.count(b"\n") == 1, r
+
+
+def test_the_largest_thread_and_fence_validation_accepts_are_stored(backend: str, procs: Procs) -> None:
+    top_thread, top_fence = 10**15, 2**63 - 1
+    r = reply(procs, "--kind", "k", "--body", "edge", "--fence", str(top_fence), thread=top_thread)
+    assert r.returncode == 0 and json.loads(r.stdout)["fence"] == top_fence, r
+    t = tree(procs, thread=top_thread)
+    assert t["fence"] == top_fence and t["thread"] == top_thread and len(t["replies"]) == 1
+    over = reply(procs, "--kind", "k", "--body", "edge", "--fence", str(top_fence + 1), thread=top_thread)
+    assert over.returncode == ExitCode.USAGE, over
 
 
 def test_the_mcp_thread_tools(backend: str, tmp_path: Path, server_args: list[str]) -> None:  # noqa: F811
