@@ -34,7 +34,6 @@ from singleflight.core.protocol import Taken
 if TYPE_CHECKING:
     from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
-    from singleflight.core.request import RequestRecord
     from singleflight.core.ticket import Ticket
     from singleflight.core.tokens import Claim, Facts, TokenFiles
 
@@ -133,19 +132,22 @@ class LockOps(Protocol):
 
     def close(self) -> None: ...
 
-    # -- requests (pearing-run --request-uuid) ------------------------------------------
-    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
-        """The request's record, and what ``put_request`` compares with (an opaque version)."""
+    # -- the lock's records: rules/requests.py ------------------------------------------------
+    def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
+        """The lock's record ``name`` (``core.request``: the last success, a request's) as stored,
+        the version ``write_record`` compares with, and where it is (for an error naming it). A
+        record written to live with a run (``run=``) whose run is gone reads as None."""
 
-    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
-        """Write (None: remove) the request's record, only if it is still as ``seen``. An active
-        one (a claim) lives as long as ``ticket``'s run; another until its ``expires_at``."""
+    def write_record(
+        self, name: str, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        """Write (None: remove) the record, only while it is still as ``seen`` (``ANY_VERSION``:
+        whatever it is); False when it changed. With ``run`` it lives as long as that run; with
+        ``keep`` the store may drop it after so many seconds. A copy of exactly ``body`` prepared
+        before (``prepare_record``) is put in place without a write that could fail for space."""
 
-    def request_alive(self, record: RequestRecord) -> bool:
-        """Is the run that claimed this request (an active record) still waiting or holding?"""
-
-    def last_success(self) -> float | None:
-        """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""
+    def prepare_record(self, name: str, body: bytes) -> None:
+        """Before COMMAND starts: keep ``body`` ready for ``write_record`` at its end."""
 
     # -- acquiring ---------------------------------------------------------------------------
     @property
@@ -200,15 +202,6 @@ class LockOps(Protocol):
     ) -> Ticket | None:
         """End a ticket (None if it had ended already). Without ``release`` only its token dies:
         the lock stays taken until the grip is released (COMMAND is still being stopped)."""
-
-    def prepare_request(self, ticket: Ticket, window: float) -> None:
-        """Before COMMAND starts: make recording its success unable to fail for lack of space."""
-
-    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
-        """How the run of ``ticket.request_uuid`` ended (a success is deduplicated for ``window``)."""
-
-    def record_success(self, ticket: Ticket) -> None:
-        """This run succeeded: its start is the (scope, lock)'s last successful start."""
 
     def renew(self, ticket_id: str, seconds: float) -> Ticket:
         """Heartbeat: NotHeld once the ticket is not live."""

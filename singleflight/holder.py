@@ -24,7 +24,7 @@ from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.watched import Watched
 from singleflight.rules import events
-from singleflight.rules.requests import record_end
+from singleflight.rules.requests import prepare_end, record_end
 
 if TYPE_CHECKING:
     from singleflight.backend import Lease, LockOps
@@ -116,7 +116,7 @@ class Holder:
 
     def _serve(self) -> NoReturn:
         if self.cfg.request_uuid:
-            self.lk.prepare_request(self.lease.ticket, self.cfg.dedupe_window)
+            prepare_end(self.lk, self.lease.ticket, self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)

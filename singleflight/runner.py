@@ -120,7 +120,7 @@ class Runner:
         """--min-interval: a run of this job that succeeded started less than that long ago."""
         if self.o.min_interval is None:
             return False
-        last = self.lk.last_success()
+        last = requests.last_success(self.lk)
         if last is None or time.time() - last >= self.o.min_interval:
             return False
         from singleflight.core.record import rfc3339

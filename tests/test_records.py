@@ -413,11 +413,21 @@ def test_store_prune_keeps_the_last_holders_ended_record(store: LockStore) -> No
     assert store.bump_fence() == 3
 
 
-def test_store_success_record_carries_the_fence(store: LockStore) -> None:
-    assert store.bump_fence() == 1
-    store.write_last_success(123.0, new_uuid4())
-    assert json.loads(store.dir.read("success") or b"")["fence"] == 1
-    assert store.read_last_success() == 123.0
+def test_store_success_record_carries_the_fence(tmp_path: Path) -> None:
+    """The success record holds its run's fence: one more record a lost fence file continues above."""
+    from singleflight.local.backend import LocalBackend
+    from singleflight.rules import requests
+
+    with LocalBackend("local", str(tmp_path / "lockdir")) as b:
+        lk = b.lock("default", "J")
+        t = ended_ticket(7)
+        t.acquired_at = 123.0
+        requests.record_end(lk, t, 0, window=None, success=True)
+        assert json.loads(lk.store.dir.read("success") or b"")["fence"] == 7
+        assert requests.last_success(lk) == 123.0
+        lk.store.dir.unlink("fence")
+        assert lk.store.bump_fence() == 8
+        lk.close()
 
 
 def test_dir_read_refuses_what_is_not_a_record(tmp_path: Path) -> None:

@@ -16,6 +16,19 @@ from singleflight.core.record import checked, is_uuid, loads
 if TYPE_CHECKING:
     from singleflight.core.ticket import Ticket
 
+# A lock's records, as a backend names them (``LockOps.read_record``): the last successful
+# start (--min-interval) and one record per request uuid (--request-uuid / --request-key).
+SUCCESS_RECORD: Final = "success"
+REQUEST_PREFIX: Final = "request/"
+
+
+def request_record(request_uuid: str) -> str:
+    return REQUEST_PREFIX + request_uuid
+
+
+# ``LockOps.write_record``'s ``seen`` for a write whatever the record holds now.
+ANY_VERSION: Final = object()
+
 _REQUEST_STATES: Final = frozenset({REQUEST_ACTIVE, REQUEST_SUCCEEDED, REQUEST_FAILED})
 _REQUEST_STRINGS: dict[str, Callable[[str], bool]] = {"state": _REQUEST_STATES.__contains__, "ticket_id": is_uuid}
 _REQUEST_TYPES: dict[str, tuple[type, ...]] = {
@@ -86,6 +99,21 @@ class RequestRecord:
             started_at=ticket.acquired_at,
             finished_at=now,
             expires_at=now + window,
+        )
+
+    @classmethod
+    def succeeded(cls, ticket: Ticket, window: float) -> RequestRecord:
+        """A run's success, deduplicated for ``window`` seconds from its start: the same bytes
+        whenever and wherever it is built (holder or wrapper), so a copy prepared before COMMAND
+        started is the one put in place at its end (``LockOps.prepare_record``)."""
+        started = ticket.acquired_at if ticket.acquired_at is not None else time.time()
+        return cls(
+            state=REQUEST_SUCCEEDED,
+            ticket_id=ticket.ticket_id,
+            fence=ticket.fence,
+            status=0,
+            started_at=started,
+            expires_at=started + window,
         )
 
     @property

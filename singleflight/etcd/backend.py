@@ -22,7 +22,7 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
 )
 from singleflight.core.protocol import Taken
-from singleflight.core.request import RequestRecord
+from singleflight.core.request import ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records
@@ -100,31 +100,42 @@ class EtcdLock(EtcdTickets):
         self._kept[tid] = sent
         return True
 
-    # -- requests ------------------------------------------------------------------------
+    # -- the lock's records (what they hold: rules/requests.py) -----------------------------
 
-    def last_success(self) -> float | None:
-        return history.read_last_success(self.mutex)
+    def _record_key(self, name: str) -> str:
+        if name == SUCCESS_RECORD:
+            return self.mutex.base + "s"
+        if name.startswith(REQUEST_PREFIX):
+            return self.mutex.r + name[len(REQUEST_PREFIX) :]
+        raise ValueError(f"no such record: {name!r}")
 
-    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
-        return history.read_request_kv(self.mutex, request_uuid)
+    def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
+        key = self._record_key(name)
+        kv = self.cluster.get(key)
+        return (None, None, f"etcd:{key}") if kv is None else (kv["value"], kv, f"etcd:{key}")
 
-    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
-        """Compare-and-swap on the key's mod revision. A claim rides on the run's own lease (the
-        holder's, granted here before it joins): if the run dies, its claim goes with it, and a
-        replay may run again; while it lives, replays see it."""
-        key = self.mutex.r + ticket.request_uuid
-        check = cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)
-        if record is None:
-            op = op_delete(key)
-        elif record.active:
-            op = op_put(key, record.to_json(), self._lease_for(ticket))
+    def write_record(
+        self, name: str, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        """Compare-and-swap on the key's mod revision. A record of a run rides on the run's own
+        lease (the holder's, granted here before it joins): if the run dies, it goes with it."""
+        key = self._record_key(name)
+        if seen is ANY_VERSION:
+            check = []
         else:
-            keep = self.cluster.grant(ttl_of(max(1.0, (record.expires_at or 0) - time.time())))
-            op = op_put(key, record.to_json(), keep)
-        return bool(self.cluster.txn([check], [op], []).get("succeeded"))
+            check = [cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)]
+        if body is None:
+            op = op_delete(key)
+        elif run is not None:
+            op = op_put(key, body, self._lease_for(run))
+        elif keep is not None:
+            op = op_put(key, body, self.cluster.grant(ttl_of(max(1.0, keep))))
+        else:
+            op = op_put(key, body)
+        return bool(self.cluster.txn(check, [op], []).get("succeeded"))
 
-    def request_alive(self, record: RequestRecord) -> bool:
-        return True  # an active record rides on its run's lease: it would be gone with the run
+    def prepare_record(self, name: str, body: bytes) -> None:
+        """A cluster does not run out of disk under one run: nothing to prepare."""
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -267,16 +278,6 @@ class EtcdLock(EtcdTickets):
                 self._agents.add(ticket_id)
                 self._kept[ticket_id] = sent
                 return t
-
-    def prepare_request(self, ticket: Ticket, window: float) -> None:
-        """A cluster does not run out of disk under one run: nothing to prepare."""
-
-    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
-        record = RequestRecord.finished(ticket, status, window)
-        history.write_request(self.mutex, ticket.request_uuid, record, max(window, 1.0))
-
-    def record_success(self, ticket: Ticket) -> None:
-        history.write_last_success(self.mutex, ticket.acquired_at or time.time(), ticket.ticket_id)
 
 
 # The tenant's keys that are not scopes (``PREFIX/activity/...``, ``PREFIX/ledger/...``).

@@ -1,30 +1,15 @@
-"""What a lock remembers in the cluster beyond its line: the last successful start
-(--min-interval, across hosts) and the request records (--request-uuid / --request-key)."""
+"""The request records a ticket of pearing-cli is created with (--request-uuid / --request-key):
+one ticket per request, even when two arrive at once. The rest of a lock's records are read and
+written as ``EtcdLock.read_record`` / ``write_record``."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from singleflight.core.errors import CorruptRecord
-from singleflight.core.record import epoch
 from singleflight.core.request import RequestRecord
 from singleflight.etcd.client import cmp, op_put, op_range, ranged
-from singleflight.etcd.lock import Mutex, ttl_of
-
-
-def read_last_success(mutex: Mutex) -> float | None:
-    kv = mutex.cluster.get(mutex.base + "s")
-    if kv is None:
-        return None
-    try:
-        return epoch(json.loads(kv["value"])["started_at"], "started_at")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptRecord(f"etcd:{mutex.base}s", f"not a success record: {exc}") from None
-
-
-def write_last_success(mutex: Mutex, started_at: float, ticket_id: str) -> None:
-    mutex.cluster.put(mutex.base + "s", json.dumps({"started_at": started_at, "ticket_id": ticket_id}).encode())
+from singleflight.etcd.lock import Mutex
 
 
 def read_request_kv(mutex: Mutex, uuid: str) -> tuple[RequestRecord | None, dict[str, Any] | None]:
@@ -59,8 +44,3 @@ def claim_request(mutex: Mutex, uuid: str, record: RequestRecord, lease: int, se
     except (ValueError, TypeError):
         return False  # not ours, whatever it is: the caller reads it as the record it is
     return found is not None and found.active and found.ticket_id == record.ticket_id and kvs[0]["lease"] == lease
-
-
-def write_request(mutex: Mutex, uuid: str, record: RequestRecord, ttl: float) -> None:
-    keep = mutex.cluster.grant(ttl_of(ttl))
-    mutex.cluster.put(mutex.r + uuid, record.to_json(), keep)

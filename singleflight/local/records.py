@@ -1,13 +1,13 @@
-"""The lock dir's records of a lock's runs: request records (dedupe) and the last success
-(--min-interval), beside the lock's tickets."""
+"""The lock dir's records of a lock's runs: the last success (``success``) and one file per request
+(``requests/UUID.json``), beside the lock's tickets. What they hold is rules/requests.py's."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.request import RequestRecord
+from singleflight.core.fs import Dir
+from singleflight.core.request import ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.local.store import LockStore
 
@@ -17,56 +17,63 @@ class LocalRecords:
 
     store: LockStore
 
-    def last_success(self) -> float | None:
-        return self.store.read_last_success()
+    def _where(self, name: str) -> tuple[Dir, str, bool]:
+        """The directory and file of a record, and whether it must survive a crash (a request's:
+        a finished run's record lost would run its replay again)."""
+        if name == SUCCESS_RECORD:
+            return self.store.dir, "success", False
+        if name.startswith(REQUEST_PREFIX):
+            return self.store.sub("requests"), name[len(REQUEST_PREFIX) :] + ".json", True
+        raise ValueError(f"no such record: {name!r}")
 
-    def read_request(self, request_uuid: str) -> tuple[RequestRecord | None, Any]:
-        rec = self.store.read_request(request_uuid)
-        return rec, rec
+    def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
+        d, file, _ = self._where(name)
+        body = d.read(file)
+        return (None if body is not None and self._dead_claim(body) else body), body, d.child_path(file)
 
-    def put_request(self, ticket: Ticket, record: RequestRecord | None, seen: Any) -> bool:
-        """Compare-and-swap under the lock's mutex: only if the record is still the one ``seen``."""
-        store, uuid = self.store, ticket.request_uuid
-        with store.mutex():
-            cur = store.read_request(uuid)
-            if (cur.to_json() if cur else None) != (seen.to_json() if seen else None):
-                return False
-            if record is None:
-                store.remove_request(uuid)
-            else:
-                store.write_request(uuid, record)
-        return True
-
-    def request_alive(self, record: RequestRecord) -> bool:
-        """Is the run that claimed this request still waiting or holding?"""
-        if record.pid is not None and proc.alive(record.pid, record.start):
-            return True
-        t = self.store.read_ticket(record.ticket_id) if record.ticket_id else None
-        return t is not None and t.live and proc.alive(t.holder_pid, t.holder_start)
-
-    def prepare_request(self, ticket: Ticket, window: float) -> None:
-        # The success record is written (and fsynced) now, while there is room, so a
-        # success at the end only renames it into place: a disk that filled up while
-        # COMMAND ran cannot make a finished request look unfinished and run it twice.
-        # Its dedupe window therefore counts from the start of the run.
-        record = RequestRecord.finished(ticket, 0, window)
-        record.finished_at = None
-        self.store.sub("requests").write_atomic(_prepared(ticket), record.to_json(), durable=True)
-
-    def record_request(self, ticket: Ticket, status: int | None, window: float) -> None:
-        requests, uuid = self.store.sub("requests"), ticket.request_uuid
+    def _dead_claim(self, body: bytes) -> bool:
+        """A request's claim whose run is gone: its claimant (or its ticket's process) is dead. On
+        disk it stays until overwritten; it reads as none."""
         try:
-            if status == 0 and requests.lstat(_prepared(ticket)) is not None:
-                requests.rename(_prepared(ticket), f"{uuid}.json")
-                requests.fsync()
-                return
-            self.store.write_request(uuid, RequestRecord.finished(ticket, status, window))
+            rec = RequestRecord.from_json(body)
+        except (ValueError, TypeError):
+            return False  # the rules read it, and name it corrupt
+        if not rec.active:
+            return False
+        if rec.pid is not None and proc.alive(rec.pid, rec.start):
+            return False
+        t = self.store.read_ticket(rec.ticket_id) if rec.ticket_id else None
+        return not (t is not None and t.live and proc.alive(t.holder_pid, t.holder_start))
+
+    def write_record(
+        self, name: str, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        """Compare-and-swap under the lock's mutex. ``run`` and ``keep`` need nothing here: a
+        dead run's claim reads as none, and housekeeping prunes a request after its window."""
+        store = self.store
+        d, file, durable = self._where(name)
+        prepared = _prepared(file)
+        try:
+            with store.mutex():
+                if seen is not ANY_VERSION and d.read(file) != seen:
+                    return False
+                if body is None:
+                    d.unlink(file)
+                elif d.read(prepared) == body:
+                    d.rename(prepared, file)
+                    d.fsync()
+                else:
+                    d.write_atomic(file, body, durable=durable)
+            return True
         finally:
-            requests.unlink(_prepared(ticket))
+            if body is not None:
+                d.unlink(prepared)
 
-    def record_success(self, ticket: Ticket) -> None:
-        self.store.write_last_success(ticket.acquired_at or time.time(), ticket.ticket_id)
+    def prepare_record(self, name: str, body: bytes) -> None:
+        # Written (and fsynced) now, while there is room: at the end it is only renamed.
+        d, file, _ = self._where(name)
+        d.write_atomic(_prepared(file), body, durable=True)
 
 
-def _prepared(ticket: Ticket) -> str:
-    return f".{ticket.request_uuid}.succeeded"
+def _prepared(file: str) -> str:
+    return f".{file.removesuffix('.json')}.succeeded"

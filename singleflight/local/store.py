@@ -313,24 +313,6 @@ class LockStore:
             raise CorruptRecord(self.dir.child_path("success"), f"not a success record: {exc}") from None
         return value, fence
 
-    def read_last_success(self) -> float | None:
-        success = self._read_success()
-        return None if success is None else success[0]
-
-    def write_last_success(self, started_at: float, ticket_id: str) -> None:
-        # The fence goes along (the caller holds the lock, so the fence file is its run's):
-        # one more record a lost fence file continues above. A corrupt fence file was
-        # refused when the run took the lock, so reading it here is only a formality.
-        data = self.dir.read("fence")
-        fence = None
-        if data is not None:
-            try:
-                fence = parse_int_record(self.dir.child_path("fence"), data)
-            except CorruptRecord:
-                fence = None
-        body = json.dumps({"started_at": started_at, "ticket_id": ticket_id, "fence": fence}).encode()
-        self.dir.write_atomic("success", body, durable=False)
-
     # -- token files and request records -----------------------------------
 
     @property

@@ -1,16 +1,23 @@
 """What a run leaves behind for the next ones: its request's outcome (--request-uuid, --request-key)
 and a success's start (--min-interval). Written by one function, whoever finishes the run: its
-holder, or its wrapper when the holder died after COMMAND ended."""
+holder, or its wrapper when the holder died after COMMAND ended.
+
+A backend only reads and compare-and-sets a lock's named records (``LockOps.read_record``,
+``write_record``) and can prepare one ahead (``prepare_record``); what they hold, when a claim
+stands and how long a record is kept are decided here.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE
-from singleflight.core.errors import BackendUnavailable
-from singleflight.core.request import RequestRecord
+from singleflight.core.errors import BackendUnavailable, CorruptRecord
+from singleflight.core.record import epoch, loads
+from singleflight.core.request import ANY_VERSION, SUCCESS_RECORD, RequestRecord, request_record
 
 if TYPE_CHECKING:
     from singleflight.backend import LockOps
@@ -25,9 +32,41 @@ def record_end(lk: LockOps, ticket: Ticket, status: int | None, *, window: float
     Raises the store's error: a success that could not be recorded must not pass for one that was.
     """
     if window is not None:
-        lk.record_request(ticket, status, window)
+        rec = RequestRecord.succeeded(ticket, window) if status == 0 else RequestRecord.finished(ticket, status, window)
+        keep = max(1.0, (rec.expires_at or 0.0) - time.time())
+        lk.write_record(request_record(ticket.request_uuid), rec.to_json(), ANY_VERSION, keep=keep)
     if success and status == 0:
-        lk.record_success(ticket)
+        body = {"started_at": ticket.acquired_at or time.time(), "ticket_id": ticket.ticket_id, "fence": ticket.fence}
+        lk.write_record(SUCCESS_RECORD, json.dumps(body).encode(), ANY_VERSION)
+
+
+def prepare_end(lk: LockOps, ticket: Ticket, window: float) -> None:
+    """Before COMMAND starts: the success record its end would write, prepared now, while there is
+    room, so a disk that filled up meanwhile cannot make a finished request look unfinished and
+    run it twice. (So a success's dedupe window counts from the run's start.)"""
+    lk.prepare_record(request_record(ticket.request_uuid), RequestRecord.succeeded(ticket, window).to_json())
+
+
+def last_success(lk: LockOps) -> float | None:
+    """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""
+    body, _, where = lk.read_record(SUCCESS_RECORD)
+    if body is None:
+        return None
+    try:
+        return epoch(loads(body)["started_at"], "started_at")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecord(where, f"not a success record: {exc}") from None
+
+
+def read_request(lk: LockOps, request_uuid: str) -> tuple[RequestRecord | None, Any]:
+    """The request's record (None: none, or a claim whose run is gone), and its version."""
+    body, seen, where = lk.read_record(request_record(request_uuid))
+    if body is None:
+        return None, seen
+    try:
+        return RequestRecord.from_json(body), seen
+    except (ValueError, TypeError) as exc:
+        raise CorruptRecord(where, f"not a request record: {exc}") from None
 
 
 # A claim races only other runs of the same request; past this many lost races it is in flight.
@@ -41,7 +80,7 @@ def claim(lk: LockOps, ticket: Ticket) -> str:
     was there if the run does not happen after all)."""
     uuid = ticket.request_uuid
     for _ in range(_CLAIM_TRIES):
-        rec, seen = lk.read_request(uuid)
+        rec, seen = read_request(lk, uuid)
         now = time.time()
         if rec is not None:
             if rec.active and rec.ticket_id == ticket.ticket_id:
@@ -50,8 +89,8 @@ def claim(lk: LockOps, ticket: Ticket) -> str:
                 return CLAIM_RUN
             if rec.succeeded_within(now):
                 return CLAIM_DONE
-            if rec.active and lk.request_alive(rec):
-                return CLAIM_BUSY
+            if rec.active:
+                return CLAIM_BUSY  # a claim whose run is gone reads as none (``read_record``)
         mine = RequestRecord(
             state=REQUEST_ACTIVE,
             ticket_id=ticket.ticket_id,
@@ -60,7 +99,7 @@ def claim(lk: LockOps, ticket: Ticket) -> str:
             created_at=now,
             previous=rec,
         )
-        if lk.put_request(ticket, mine, seen):
+        if lk.write_record(request_record(uuid), mine.to_json(), seen, run=ticket):
             return CLAIM_RUN
         # Another run of the request changed the record between our read and write: look again.
     return CLAIM_BUSY
@@ -71,6 +110,9 @@ def unclaim(lk: LockOps, ticket: Ticket) -> None:
     record goes back to what it was before our claim. Best effort: an unreachable store keeps the
     claim, which lapses with the run (etcd: its lease) or reads as dead (the lock dir)."""
     with contextlib.suppress(BackendUnavailable):
-        rec, seen = lk.read_request(ticket.request_uuid)
+        rec, seen = read_request(lk, ticket.request_uuid)
         if rec is not None and rec.ticket_id == ticket.ticket_id:
-            lk.put_request(ticket, rec.previous, seen)
+            previous = rec.previous
+            body = previous.to_json() if previous is not None else None
+            keep = None if previous is None else max(1.0, (previous.expires_at or 0.0) - time.time())
+            lk.write_record(request_record(ticket.request_uuid), body, seen, keep=keep)
