@@ -36,6 +36,7 @@ from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
 from singleflight.holder import Holder, HolderConfig
+from singleflight.rules import tickets
 
 # CONTROL_FD's mode that answers only while waiting (ops.CONTROL_WAIT; not imported: the
 # agent starts on every acquire-lock, and ops brings subprocess along).
@@ -81,7 +82,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
 
     def deadline() -> float:
         # Asked whenever the wait wakes: the watcher's stop() wakes it once the owner is gone.
-        return 0.0 if owner is not None and owner.gone else lk.waiting_deadline(ticket_id)
+        return 0.0 if owner is not None and owner.gone else tickets.waiting_deadline(lk, ticket_id)
 
     grip = acquire(
         lk,

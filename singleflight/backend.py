@@ -16,7 +16,7 @@ The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
     Holder(lease, ...).serve()                     # renew / check / end / release
 
 A holder is forked with the grip (the lock dir: its flocked fd passes to the holder only
-that way), or, where a grip is data (etcd: ``LockOps.holder_waits_too``), as the run starts
+that way), or, where a grip is data (etcd: ``grip_is_data`` in the scheme table), as the run starts
 to wait; it is then handed the grip (``Grip.handover``, ``LockOps.grip_from``) once the run is
 first, and no fork lies between the previous holder's release and COMMAND's start.
 """
@@ -68,7 +68,7 @@ class Grip(Protocol):
 
     def handover(self) -> dict[str, Any]:
         """What a holder forked before this grip existed needs to take it over (``grip_from``).
-        Only asked where ``LockOps.holder_waits_too`` (a lock dir's grip is an fd: {})."""
+        Only asked where the scheme table says ``grip_is_data`` (a lock dir's grip is an fd: {})."""
 
 
 class Place(Protocol):
@@ -150,12 +150,6 @@ class LockOps(Protocol):
         """Before COMMAND starts: keep ``body`` ready for ``write_record`` at its end."""
 
     # -- acquiring ---------------------------------------------------------------------------
-    @property
-    def holder_waits_too(self) -> bool:
-        """May a run that has to wait fork its holder as it starts waiting, and hand it the grip
-        by message (``Grip.handover``, ``grip_from``) once first? (etcd: yes, a grip is data;
-        the lock dir: no, its flocked fd passes to the holder only by the fork.)"""
-
     def grip_from(self, info: dict[str, Any]) -> Any:
         """In a holder forked as its run started to wait: the grip its run handed over."""
 
@@ -193,9 +187,6 @@ class LockOps(Protocol):
 
     def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
         """The agent ``pid`` now answers for this waiting ticket (None: it is no longer waiting)."""
-
-    def waiting_deadline(self, ticket_id: str) -> float:
-        """A waiting ticket's lease as heartbeats extend it (monotonic); 0 once it ended."""
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True

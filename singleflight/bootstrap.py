@@ -1,5 +1,5 @@
 """How pearing-run's holder is born: forked by the wrapper and detached (its own session, none
-of the caller's fds), with the grip; or, where a grip is data (``LockOps.holder_waits_too``),
+of the caller's fds), with the grip; or, where a grip is data (``grip_is_data`` in the scheme table),
 forked as the run starts to wait and handed the grip over the pipe (``go``) once first, so no
 fork lies between the previous holder's release and COMMAND's start. The child then takes the
 lease and serves it (``holder.Holder``) until the run is over."""

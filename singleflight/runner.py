@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
-from singleflight.core import proc
+from singleflight.core import proc, schemes
 from singleflight.core.const import (
     CANCELLED,
     CLAIM_BUSY,
@@ -32,7 +32,7 @@ from singleflight.core.log import Log, Seconds
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import new_uuid4
 from singleflight.core.ticket import Ticket
-from singleflight.rules import requests
+from singleflight.rules import requests, tickets
 from singleflight.runmetrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Runner:
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
             self.log.event("waiting", lock=o.job, position=position, max_wait=Seconds(o.wait_seconds))
-            if lk.holder_waits_too and self.standby is None:
+            if schemes.grip_is_data(o.backend) and self.standby is None:
                 from singleflight.bootstrap import fork_holder
 
                 self.holder_pid, self.standby = fork_holder(o, self.ticket, None)
@@ -150,7 +150,7 @@ class Runner:
             self.ticket,
             until=started + o.wait_seconds,
             # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
-            ticket_deadline=lambda: lk.waiting_deadline(tid),
+            ticket_deadline=lambda: tickets.waiting_deadline(lk, tid),
             on_queued=on_queued,
             timeout_reason=EndReason.WAIT_TIMED_OUT,
         )

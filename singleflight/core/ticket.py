@@ -193,6 +193,20 @@ class Ticket:
             return None
         return self.lease_deadline_mono - now_mono
 
+    def deadline_here(self) -> float | None:
+        """The lease's deadline on this host's monotonic clock (None: none recorded).
+
+        Set on this boot: its monotonic stamp, exact. Set on another host (or boot): its
+        wall-clock expiry, which is as good as the two clocks agree (keep them in sync: NTP).
+        """
+        from singleflight.core import proc
+
+        if self.lease_deadline_mono is not None and self.boot_id and self.boot_id == proc.boot_id():
+            return self.lease_deadline_mono
+        if self.lease_expires_at is not None:
+            return time.monotonic() + (self.lease_expires_at - time.time())
+        return None
+
     def set_lease(self, seconds: float) -> None:
         self.lease_seconds = seconds
         self.lease_deadline_mono = time.monotonic() + seconds

@@ -61,8 +61,6 @@ class EtcdLock(EtcdTickets):
         self._agents: set[str] = set()  # tickets adopted by their agent (pearing-cli, MCP, Lock)
         self._minted: dict[str, str] = {}
 
-    holder_waits_too = True  # a grip is data: handed to a holder forked as the run starts to wait
-
     def grip_from(self, info: dict[str, Any]) -> EtcdGrip:
         return EtcdGrip.from_handover(self.cluster, info)
 

@@ -102,16 +102,8 @@ def stamp_lease(t: Ticket, seconds: float) -> None:
 
 
 def deadline_mono(t: Ticket) -> float | None:
-    """The ticket's recorded lease deadline on this host's monotonic clock (None: none recorded).
-
-    Set on this boot: its monotonic stamp, exact. Set on another host: its wall-clock
-    expiry, which is as good as the two clocks agree (keep them in sync: NTP).
-    """
-    if t.lease_deadline_mono is not None and t.boot_id and t.boot_id == proc.boot_id():
-        return t.lease_deadline_mono
-    if t.lease_expires_at is not None:
-        return time.monotonic() + (t.lease_expires_at - time.time())
-    return None
+    """The ticket's recorded lease deadline on this host's monotonic clock (``Ticket.deadline_here``)."""
+    return t.deadline_here()
 
 
 def foreign(kv: dict[str, Any], position: int, repo: str, lock: str, lease_left: float | None) -> dict[str, Any]:

@@ -4,7 +4,6 @@ tokens, joining) is ``EtcdLock``'s, which adds it."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -71,14 +70,6 @@ class EtcdTickets:
             self._lock_must_exist()
             return None
         return found[0]
-
-    def waiting_deadline(self, ticket_id: str) -> float:
-        kv = self.mutex.find(ticket_id)
-        t = parse(kv["value"]) if kv is not None else None
-        if t is None or not t.live:
-            return 0.0
-        due = deadline_mono(t)
-        return math.inf if due is None else due
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import signal
 import time
@@ -80,8 +79,6 @@ class LocalLock(LocalRecords):
 
     def close(self) -> None:
         self.store.close()
-
-    holder_waits_too = False  # the holder needs the flocked fd: forked with it, once ours
 
     def grip_from(self, info: dict[str, Any]) -> FlockGrip:
         raise AssertionError("the lock dir forks its holder with the grip")
@@ -190,12 +187,6 @@ class LocalLock(LocalRecords):
             t.holder_pid, t.holder_start = pid, proc.start_time(pid)
             self.store.write_ticket(t)
             return t
-
-    def waiting_deadline(self, ticket_id: str) -> float:
-        t = self.store.read_ticket(ticket_id)
-        if t is None or t.state != WAITING:
-            return 0.0
-        return math.inf if t.lease_deadline_mono is None else t.lease_deadline_mono
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True

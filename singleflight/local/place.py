@@ -45,7 +45,7 @@ class FlockGrip:
     release = close
 
     def handover(self) -> dict[str, Any]:
-        return {}  # an fd: the holder gets it by the fork (``LocalLock.holder_waits_too``)
+        return {}  # an fd: the holder gets it by the fork (its scheme says no ``grip_is_data``)
 
 
 def _on_poke(signum: int, frame: FrameType | None) -> None:

@@ -7,6 +7,7 @@ this host still keeps its lock, and stops a ticket's process (``LockOps.stop``).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,17 @@ def _released_already(t: Ticket) -> Ticket:
     if t.state in (RELEASED, CANCELLED):
         return t
     raise NotHeld(t.ticket_id, t.describe_end())
+
+
+def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
+    """A waiting ticket's lease as heartbeats extend it (monotonic; ``inf``: none); 0 once it has
+    ended (released, cancelled, superseded): its wait is over. (A ticket just promoted reads as
+    held before its waiter has taken the lock: still live, its wait goes on to take it.)"""
+    t = lk.read(ticket_id)
+    if t is None or not t.live:
+        return 0.0
+    due = t.deadline_here()
+    return math.inf if due is None else due
 
 
 def end_orphan(lk: LockOps, t: Ticket) -> Ticket:
