@@ -156,13 +156,9 @@ class LockOps(Protocol):
     def enter(self, ticket: Ticket) -> Place: ...
 
     # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
-    def holder_record(self) -> tuple[Ticket, Any] | None:
-        """The ticket first in line, as recorded now (its token may have died already), and
-        what ``mark_superseded`` compares with. None: nobody holds, or another client's key."""
-
-    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
-        """Compare-and-set of the holder's ``superseded_by`` (None clears it), only while its
-        record is live and still as ``seen``. A holder newly asked is told at once."""
+    def holder_record(self) -> Ticket | None:
+        """The ticket first in line, as recorded now (its token may have died already). None:
+        nobody holds, or another client's key."""
 
     def end_superseded(
         self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
@@ -194,8 +190,15 @@ class LockOps(Protocol):
         """End a ticket (None if it had ended already). Without ``release`` only its token dies:
         the lock stays taken until the grip is released (COMMAND is still being stopped)."""
 
-    def renew(self, ticket_id: str, seconds: float) -> Ticket:
-        """Heartbeat: NotHeld once the ticket is not live."""
+    def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
+        """Compare-and-set of a live ticket: ``change`` gets it as stored (read again if another
+        write came in between) and says whether to write it; the ticket written, or None when
+        ``change`` declined or it is no longer live (an ended ticket is never written here).
+        UnknownTicket when there is no such ticket; NotHeld when its lease went meanwhile."""
+
+    def poke(self, ticket: Ticket) -> None:
+        """Tell the ticket's process on this host to look at its ticket now (a holder that can
+        take it: not a wrapper's pid); a backend whose processes watch their keys may do nothing."""
 
     def stop(self, ticket: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """End a live ticket (its token dies) and have its process let go of the lock: a holder

@@ -151,7 +151,7 @@ def acquire(
                 chan = _kept.pop(t.ticket_id, None)
             if chan is not None:  # ours, still waiting or promoted meanwhile: resume on its channel
                 with contextlib.suppress(NotHeld):
-                    t = lk.renew(t.ticket_id, lease_seconds)  # a retry renews like a heartbeat
+                    t = tickets.heartbeat(lk, t.ticket_id, lease_seconds)  # a retry renews like a heartbeat
                 heard = (protocol.QUEUED, wait_seconds)
                 return _follow(backend, lk, t, chan, heard=heard, control=control, stopped=stopped)
             return _existing(backend, lk, t, lease_seconds, wait_seconds, stopped=stopped), None
@@ -175,7 +175,7 @@ def _existing(
         until = time.monotonic() + wait_seconds
         while True:
             with contextlib.suppress(NotHeld):
-                t = lk.renew(t.ticket_id, lease_seconds)
+                t = tickets.heartbeat(lk, t.ticket_id, lease_seconds)
             # The whole wait, whatever the lease: its owner is here, heartbeating it.
             step = min(until - time.monotonic(), _beat(lease_seconds), math.inf if stopped is None else _STOP_POLL)
             lk.await_turn(t.ticket_id, max(0.0, step))
@@ -264,7 +264,7 @@ def _follow(
                     # Waiting (in line, or for the agent to start): the whole wait, whatever the
                     # lease, while its owner is here.
                     with contextlib.suppress(NotHeld):
-                        lk.renew(t.ticket_id, t.lease_seconds)
+                        tickets.heartbeat(lk, t.ticket_id, t.lease_seconds)
                     beat = time.monotonic() + _beat(t.lease_seconds)
                 continue
             if msg is None:
@@ -348,7 +348,7 @@ def heartbeat(backend: Backend, lock: str, repo: str, ticket_id: str, lease_seco
     ticket_id = names.ticket_id(ticket_id)
     lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return tickets.view(backend, lk, lk.renew(ticket_id, lease_seconds))
+        return tickets.view(backend, lk, tickets.heartbeat(lk, ticket_id, lease_seconds))
     finally:
         lk.close()
 

@@ -409,6 +409,18 @@ def test_manual_heartbeat_keeps_the_lease(backend: str, procs: Procs) -> None:
     assert r.elapsed >= 6.0, r
 
 
+def test_a_shorter_heartbeat_makes_the_holder_look_now(backend: str, procs: Procs, work: Path) -> None:
+    """A heartbeat that shortens the lease (60 s -> 3 s) pokes the holder (rules.tickets.heartbeat):
+    the lock does not outlive the new lease, though the holder slept towards the old deadline
+    (the lock dir) or its next keepalive, a third of the TTL away (etcd: 20 s)."""
+    beat = work / "beat.rc"
+    script = f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 3 >/dev/null; echo $? > {q(beat)}; sleep 60"
+    r = procs.pr_run("--job", "J", "--heartbeat", "manual", "--lease-seconds", "60", "--", *sh(script), timeout=60)
+    assert line_file(beat) == "0", r
+    assert r.returncode == LEASE_LOST, r
+    assert r.elapsed < 15.0, r
+
+
 def test_missed_heartbeat_expires_before_sigterm(backend: str, procs: Procs, work: Path) -> None:
     """When SIGTERM reaches COMMAND its token is dead already: the ticket reads expired, the
     guard refuses, the token file is gone."""

@@ -56,13 +56,19 @@ def alive(pid: int | None, stamp: int | None) -> bool:
     return pid is not None and stamp is not None and start_time(pid) == stamp
 
 
+_boot_id: str | None = None
+
+
 def boot_id() -> str:
-    """Monotonic deadlines are only comparable within one boot."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    """Monotonic deadlines are only comparable within one boot (read once: a process lives in one)."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
+        except OSError:
+            _boot_id = ""
+    return _boot_id
 
 
 def signal_exact(pid: int | None, stamp: int | None, sig: int) -> bool:

@@ -208,6 +208,9 @@ class Ticket:
         return None
 
     def set_lease(self, seconds: float) -> None:
+        from singleflight.core import proc
+
+        self.boot_id = proc.boot_id()  # a monotonic stamp means something on its own boot only
         self.lease_seconds = seconds
         self.lease_deadline_mono = time.monotonic() + seconds
         self.lease_expires_at = time.time() + seconds
@@ -224,6 +227,19 @@ class Ticket:
     @property
     def live(self) -> bool:
         return self.state in (HELD, WAITING)
+
+    def refusal(self, *, gone: bool) -> str | None:
+        """Why a heartbeat of this ticket is refused (None: it is not): it ended, its lease ran out
+        (a lapsed lease is never revived, even before its holder noticed), or its process is
+        ``gone``. One wording on every backend."""
+        if not self.live:
+            return self.describe_end()
+        due = self.deadline_here()
+        if due is not None and due <= time.monotonic():
+            return f"lease expired at {rfc3339(self.lease_expires_at)}"
+        if gone:
+            return EndReason.HOLDER_GONE.text()
+        return None
 
     def describe_end(self) -> str:
         """Why an ended ticket ended, as users read it: ``expired (holder gone) at ...``."""

@@ -161,11 +161,9 @@ class EtcdLock(EtcdTickets):
     # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
     # the holder watches its key (``EtcdLease``) ------------------------------------------
 
-    def holder_record(self) -> tuple[Ticket, Any] | None:
-        return events.holder_record(self.mutex)
-
-    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
-        return events.mark_superseded(self.mutex, holder, by, seen)
+    def holder_record(self) -> Ticket | None:
+        found = events.holder_record(self.mutex)
+        return found[0] if found is not None else None
 
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float

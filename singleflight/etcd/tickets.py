@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from singleflight.core import proc
@@ -15,13 +16,12 @@ from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
-from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import deadline_mono, margin_of, parse, stamp_lease, ticket_id_of, value
+from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch
 
 
@@ -87,31 +87,25 @@ class EtcdTickets:
         end_ticket(self.mutex, t, kv, state, reason, revoke=release)
         return t
 
-    def renew(self, ticket_id: str, seconds: float) -> Ticket:
-        """Heartbeat: the ticket's lease runs ``seconds`` from now, recorded in its key.
-
-        Its holder (or waiting agent) enforces it on its own clock. A lapsed lease is
-        never revived: refused once the recorded deadline has passed.
-        """
+    def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
+        """Compare-and-swap on the ticket's key (its mod revision), read again whenever another
+        write came in between (a heartbeat, a cancel request)."""
         while True:
             kv = self.mutex.find(ticket_id)
             if kv is None:
-                raise NotHeld(ticket_id, self._existing(ticket_id).describe_end())
+                change(self._existing(ticket_id))  # ended or lapsed: the change says why, if it asks
+                return None
             key = kv["key"]
             t = parse(kv["value"])
             if t is None:
                 raise UnknownTicket(ticket_id)
-            if not t.live:
-                raise NotHeld(ticket_id, t.describe_end())
-            before = deadline_mono(t)
-            if before is not None and before <= time.monotonic():
-                raise NotHeld(ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
+            if not change(t) or not t.live:
+                return None
             if t.state == WAITING and t.holder_host == os.uname().nodename and _is_me(t.holder_pid, t.holder_start):
                 # Not adopted yet: we created it and answer for it until its agent starts (a busy
                 # machine may start it late), so our heartbeat keeps its key too. Only ours:
                 # anyone else's heartbeat must not keep a dead waiter's key in line.
                 self.cluster.keepalive(kv["lease"])
-            stamp_lease(t, seconds)
             body = records.value(
                 t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
             )
@@ -122,15 +116,14 @@ class EtcdTickets:
             except Refused:
                 raise NotHeld(ticket_id, EndReason.LEASE_EXPIRED) from None
             if r.get("succeeded"):
-                break
-        if before is not None and (t.lease_deadline_mono or 0) < before and t.holder_host == os.uname().nodename:
-            # A shorter lease than before: the holder sleeps until the deadline it knows,
-            # so make it look now, or the lock would outlive the lease. (Held only: a
-            # waiting agent has no handler for it yet, and re-reads every second anyway.)
-            first = self.mutex.holder()
-            if first is not None and first["key"] == key:
-                proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
-        return self.read(ticket_id) or t  # its state and fence from its place in line
+                return t
+
+    def poke(self, t: Ticket) -> None:
+        """A holder on this host that has settled (its own pid recorded, its handler in place)
+        looks now; before that the pid recorded is its wrapper's, which would pass the signal on
+        to COMMAND. Anyone else (a waiter, another host's holder) watches its key."""
+        if t.state == HELD and t.holder_host == os.uname().nodename:
+            proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
 
     def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """The token dies now; the key stays until its holder (or waiter) lets go.

@@ -18,7 +18,7 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import UnknownLock
+from singleflight.core.errors import UnknownLock, UnknownTicket
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
@@ -96,23 +96,9 @@ class LocalLock(LocalRecords):
 
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
-    def holder_record(self) -> tuple[Ticket, Any] | None:
+    def holder_record(self) -> Ticket | None:
         holder_id = self.store.read_pointer("holder")
-        h = self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
-        return (h, h.superseded_by) if h is not None else None
-
-    def mark_superseded(self, holder: Ticket, by: str | None, seen: Any) -> bool:
-        """Under the lock's mutex, where its holder also ends its token for a request."""
-        store = self.store
-        with store.mutex():
-            cur = store.read_ticket(holder.ticket_id)
-            if cur is None or not cur.live or cur.superseded_by != seen:
-                return False
-            cur.superseded_by = by
-            store.write_ticket(cur)
-        if by is not None:
-            lease.poke(cur)  # its holder checks its ticket now, not at its next deadline
-        return True
+        return self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
 
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
@@ -194,8 +180,21 @@ class LocalLock(LocalRecords):
         # The flock is the grip's: ending the record never frees the lock by itself.
         return lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
 
-    def renew(self, ticket_id: str, seconds: float) -> Ticket:
-        return lease.renew(self.store, ticket_id, seconds)
+    def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
+        """Under the lock's mutex, where every write of a ticket happens (a holder ending its
+        token for a cancel request too)."""
+        store = self.store
+        with store.mutex():
+            t = store.read_ticket(ticket_id)
+            if t is None:
+                raise UnknownTicket(ticket_id)
+            if not change(t) or not t.live:
+                return None
+            store.write_ticket(t)
+        return t
+
+    def poke(self, t: Ticket) -> None:
+        lease.poke(t, waiter=t.state == WAITING)
 
     @property
     def tokens(self) -> TokenFiles:

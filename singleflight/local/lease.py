@@ -15,7 +15,6 @@ from singleflight.core import fault, proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
-from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
 from singleflight.local.queue import WAITER_POKE
@@ -124,23 +123,17 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
 
 
 def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
-    """Extend a held (or waiting) ticket's lease by ``seconds`` from now.
-
-    Refused once the monotonic deadline has passed, even if the holder has not
-    yet noticed: a lapsed lease is never revived.
-    """
+    """The holder's own renewal: its lease runs ``seconds`` from now. Refused once it lapsed,
+    even if the holder has not yet noticed (a frozen holder woken late): never revived."""
     with store.mutex():
         t = store.read_ticket(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
-        check_live(t)
-        before = t.lease_deadline_mono
+        refused = t.refusal(gone=not proc.alive(t.holder_pid, t.holder_start))
+        if refused is not None:
+            raise NotHeld(t.ticket_id, refused)
         t.set_lease(seconds)
         store.write_ticket(t)
-    if t.state == HELD and before is not None and (t.lease_deadline_mono or 0) < before:
-        # A shorter lease than before: the holder sleeps until the deadline it knows,
-        # so make it re-read the ticket now, or the lock would outlive the lease.
-        poke(t)
     return t
 
 
@@ -148,17 +141,6 @@ def poke(t: Ticket, *, waiter: bool = False) -> bool:
     """Tell a ticket's process (another one) to re-read the ticket now: SIGUSR1 to a holder,
     the waiters' own signal to a waiter (``queue.WAITER_POKE``)."""
     return proc.signal_exact(t.holder_pid, t.holder_start, WAITER_POKE if waiter else signal.SIGUSR1)
-
-
-def check_live(t: Ticket) -> None:
-    """Raise NotHeld unless ``t`` is a held or waiting ticket whose lease still runs."""
-    if t.state not in (HELD, WAITING):
-        raise NotHeld(t.ticket_id, t.describe_end())
-    left = t.lease_left(time.monotonic())
-    if left is not None and left <= 0:
-        raise NotHeld(t.ticket_id, f"lease expired at {rfc3339(t.lease_expires_at)}")
-    if not proc.alive(t.holder_pid, t.holder_start):
-        raise NotHeld(t.ticket_id, EndReason.HOLDER_GONE)
 
 
 def end(

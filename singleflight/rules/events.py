@@ -14,7 +14,7 @@ holder's ticket. The work is never lost to it:
 - a holder whose COMMAND has ended has nothing left to cancel: its run ends as it would have.
 
 A request that does not stand is cleared by whoever finds it. A backend offers only the
-holder's record as it stands, a compare-and-set of its ``superseded_by``, and that end.
+holder's record as it stands, a compare-and-set of a ticket (``update``), a poke, and that end.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from singleflight.core.const import DEFAULT_KILL_GRACE, RELEASED, WAITING
+from singleflight.core.errors import NotHeld
 
 if TYPE_CHECKING:
     from singleflight.backend import Lease, LockOps
@@ -60,7 +61,27 @@ def target(lk: LockOps, ticket: Ticket) -> Asked | None:
     """The holder ``ticket`` may ask to stop. Only read: the request is made once we are in line
     (``ask``), where the holder can see that we wait."""
     found = lk.holder_record()
-    return _askable(lk, found[0], ticket) if found is not None else None
+    return _askable(lk, found, ticket) if found is not None else None
+
+
+def _mark(lk: LockOps, holder: Ticket, by: str | None) -> bool:
+    """Compare-and-set of the holder's ``superseded_by``: only while its ticket is live and its
+    request still the one we judged. A holder newly asked is told at once."""
+    seen = holder.superseded_by
+
+    def change(t: Ticket) -> bool:
+        if not t.live or t.superseded_by != seen:
+            return False
+        t.superseded_by = by
+        return True
+
+    try:
+        done = lk.update(holder.ticket_id, change)
+    except NotHeld:
+        return False  # its lease went meanwhile
+    if done is not None and by is not None:
+        lk.poke(done)  # its holder checks its ticket now, not at its next deadline
+    return done is not None
 
 
 def _askable(lk: LockOps, h: Ticket, ticket: Ticket) -> Asked | None:
@@ -76,13 +97,12 @@ def ask(lk: LockOps, ticket: Ticket, holder: Asked) -> Asked | None:
     now. An earlier request that stands keeps its place (we wait behind it all the same); one
     whose newcomer is gone is replaced. None when there is nobody to ask any more."""
     for _ in range(_TRIES):
-        found = lk.holder_record()
-        if found is None or found[0].ticket_id != holder.holder or _askable(lk, found[0], ticket) is None:
+        h = lk.holder_record()
+        if h is None or h.ticket_id != holder.holder or _askable(lk, h, ticket) is None:
             return None
-        h, seen = found
         if h.superseded_by == ticket.ticket_id or (h.superseded_by and stands(lk, h.superseded_by)):
             return holder
-        if lk.mark_superseded(h, ticket.ticket_id, seen):
+        if _mark(lk, h, ticket.ticket_id):
             return holder
     return None
 
@@ -93,17 +113,16 @@ def withdraw(lk: LockOps, ticket: Ticket, asked: Asked) -> float:
     for us, its kill grace and the slack; once, the slack alone after it is gone, while its
     lock is handed on (it would otherwise go to nobody, and neither run did the work)."""
     for _ in range(_TRIES):
-        found = lk.holder_record()
-        if found is None or found[0].ticket_id != asked.holder:
+        h = lk.holder_record()
+        if h is None or h.ticket_id != asked.holder:
             old = lk.read(asked.holder)
             stopped_for_us = old is not None and old.superseded_by == ticket.ticket_id and old.state != RELEASED
             return _handed_on(asked) if stopped_for_us else 0.0
-        h, seen = found
         if h.superseded_by != ticket.ticket_id:
             return 0.0
         if not h.live:  # its token died for us: it is stopping its COMMAND
             return _handed_on(asked) if lk.orphaned(h) else asked.grace + SLACK
-        if lk.mark_superseded(h, None, seen):
+        if _mark(lk, h, None):
             return 0.0
     return 0.0
 

@@ -49,6 +49,32 @@ def _released_already(t: Ticket) -> Ticket:
     raise NotHeld(t.ticket_id, t.describe_end())
 
 
+def heartbeat(lk: LockOps, ticket_id: str, seconds: float) -> Ticket:
+    """Extend a live ticket's lease to ``seconds`` from now (manual heartbeat, a retried acquire).
+
+    Refused once it ended, its lease ran out (a lapsed lease is never revived, even before its
+    holder noticed) or its process is gone: NotHeld, one wording on every backend.
+    """
+    was: list[float | None] = [None]
+
+    def extend(t: Ticket) -> bool:
+        refused = t.refusal(gone=t.live and lk.orphaned(t))
+        if refused is not None:
+            raise NotHeld(t.ticket_id, refused)
+        was[0] = t.lease_expires_at
+        t.set_lease(seconds)
+        return True
+
+    t = lk.update(ticket_id, extend)
+    assert t is not None, "a live ticket is written"
+    before = was[0]
+    if t.state == HELD and before is not None and (t.lease_expires_at or 0.0) < before:
+        # A shorter lease than before: the holder sleeps until the deadline it knows, so make
+        # it look now, or the lock would outlive the lease.
+        lk.poke(t)
+    return lk.read(ticket_id) or t  # its state and fence as they stand
+
+
 def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
     """A waiting ticket's lease as heartbeats extend it (monotonic; ``inf``: none); 0 once it has
     ended (released, cancelled, superseded): its wait is over. (A ticket just promoted reads as
