@@ -197,7 +197,8 @@ def _interface_members() -> dict[str, list[str]]:
 # below). Print it with: pytest -q -s tests/test_architecture.py -k interface
 # 54: a lock's records are three store primitives (read, compare-and-set, prepare); what they
 # hold and when a claim stands are rules/requests.py's; a waiting ticket's deadline is read from
-# the ticket (rules/tickets.py); whether a grip can be handed over by message is in the scheme table.
+# the ticket (rules/tickets.py); whether a grip can be handed over by message is in the scheme table;
+# a heartbeat and a cancel request are rules over a ticket's compare-and-set (update) and a poke.
 _INTERFACE_CEILING = 54
 
 
