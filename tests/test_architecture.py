@@ -253,3 +253,49 @@ def test_pearing_guards_path_loads_neither_subprocess_nor_sqlite() -> None:
     code = "import sys, singleflight.cli.guard; print(sorted({'subprocess', 'sqlite3', 'random'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+# What implements each Protocol: the scheme table names only the backends' classes, so mypy
+# (``backend_class()`` is Any) cannot see a member that a backend lacks.
+_IMPLEMENTATIONS = {
+    "Backend": ("singleflight.local.backend:LocalBackend", "singleflight.etcd.backend:EtcdBackend"),
+    "LockOps": ("singleflight.local.backend:LocalLock", "singleflight.etcd.backend:EtcdLock"),
+    "Lease": ("singleflight.local.backend:LocalLease", "singleflight.etcd.lease:EtcdLease"),
+    "Place": ("singleflight.local.place:LocalPlace", "singleflight.etcd.place:EtcdPlace"),
+    "Grip": ("singleflight.local.place:FlockGrip", "singleflight.etcd.grip:EtcdGrip"),
+}
+
+
+def _has(cls: type, member: str) -> bool:
+    """A method or property of the class (or its bases), or an attribute its code sets."""
+    import inspect
+
+    if hasattr(cls, member):
+        return True
+    return any(f"self.{member}" in inspect.getsource(c) for c in cls.__mro__ if c.__module__ != "builtins")
+
+
+def test_every_backend_implements_every_member_of_the_interface() -> None:
+    import importlib
+
+    members = _interface_members()
+    assert members.keys() == _IMPLEMENTATIONS.keys(), "a Protocol without its implementations listed here"
+    missing = []
+    for protocol, names in members.items():
+        for where in _IMPLEMENTATIONS[protocol]:
+            module, _, name = where.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+            missing += [f"{name}.{m} ({protocol})" for m in names if not _has(cls, m)]
+    assert not missing, missing
+
+
+class _Partial:
+    def __init__(self) -> None:
+        self.lock = "J"
+
+    def read(self) -> None: ...
+
+
+def test_a_missing_member_is_found() -> None:
+    assert _has(_Partial, "read") and _has(_Partial, "lock")
+    assert not _has(_Partial, "update")
