@@ -706,6 +706,23 @@ def test_simultaneous_replays_run_once(backend: str, procs: Procs, work: Path) -
     assert (work / "ran").read_text() == "x\n"
 
 
+def test_the_dedupe_window_counts_from_the_runs_start(backend: str, procs: Procs, work: Path) -> None:
+    """README: a success is deduplicated for --dedupe-window from the run's start, on every backend
+    (etcd counted from the end). A run of 3 s under a 2 s window leaves nothing to dedupe: the
+    replay right after it runs. Within the window from the start, a replay is deduplicated."""
+    u = str(uuid.uuid4())
+    long_run = procs.pr_run("--job", "J", "--request-uuid", u, "--dedupe-window", "2", "--", "sleep", "3")
+    assert long_run.returncode == 0, long_run
+    replay = procs.pr_run("--job", "J", "--request-uuid", u, "--dedupe-window", "2", "--", "touch", str(work / "ran"))
+    assert replay.returncode == 0, replay
+    assert (work / "ran").exists(), "replayed as deduplicated: the window counted from the run's end"
+    v = str(uuid.uuid4())
+    first = procs.pr_run("--job", "J", "--request-uuid", v, "--dedupe-window", "60", "--", "true")
+    again = procs.pr_run("--job", "J", "--request-uuid", v, "--dedupe-window", "60", "--", "touch", str(work / "v"))
+    assert first.returncode == again.returncode == 0, (first, again)
+    assert not (work / "v").exists(), "a replay within the window ran again"
+
+
 def test_dedupe_window_zero_runs_again(backend: str, procs: Procs, work: Path) -> None:
     u = str(uuid.uuid4())
     for name in ("m1", "m2"):
