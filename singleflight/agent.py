@@ -35,6 +35,7 @@ from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
+from singleflight.core.tokens import TokenFiles
 from singleflight.holder import Holder, HolderConfig
 from singleflight.rules import tickets
 
@@ -114,7 +115,9 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         os.close(chan.rfd)
         chan.rfd = -1
     cfg = HolderConfig(heartbeat_auto=mode == "auto", owned_by_wrapper=False)
-    Holder(lk, lease, cfg, chan).serve()  # unblocks: a poke that came meanwhile is handled now
+    Holder(
+        lk, lease, cfg, chan, TokenFiles.at(lock_dir, repo, lock)
+    ).serve()  # unblocks: a poke that came meanwhile is handled now
 
 
 class _Owner:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
     from singleflight.core.ticket import Ticket
-    from singleflight.core.tokens import Claim, Facts, TokenFiles
+    from singleflight.core.tokens import Claim, Facts
 
 
 class Grip(Protocol):
@@ -118,10 +118,10 @@ class Lease(Protocol):
         opted-in holder's key changed, as a cancel-in-progress request does); the holder then
         calls ``check``. None: no such fd now (asked again before every wait)."""
 
-    def release(self) -> None:
-        """Let go of the lock: the next waiter is promoted now."""
-
-    def housekeeping(self) -> None: ...
+    def release(self, announce: Callable[[], None]) -> None:
+        """Let go of the lock (the next waiter is promoted now), then ``announce`` it (its owner
+        hears the lock is free), then tidy up after the run: the store's housekeeping, off the
+        hand-over's path."""
 
 
 class LockOps(Protocol):
@@ -213,10 +213,6 @@ class LockOps(Protocol):
 
     def line(self) -> Line:
         """The line as it stands: the holder first, then the waiters in order; the lock's fence."""
-
-    @property
-    def tokens(self) -> TokenFiles:
-        """This host's token files of the lock (in the lock dir on every backend)."""
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         """Block until the waiting ticket is promoted (or ends), at most ``wait_seconds``.

@@ -16,6 +16,7 @@ from singleflight.core.const import ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
+from singleflight.core.tokens import TokenFiles
 from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         fault.pause("pause-holder-start")
         lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))
-        Holder(lk, lease, cfg, chan).serve()
+        Holder(lk, lease, cfg, chan, TokenFiles.at(o.lock_dir, o.repo, o.job)).serve()
     except PearingError as exc:
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return exc.exit_code

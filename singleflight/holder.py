@@ -28,6 +28,7 @@ from singleflight.rules.requests import prepare_end, record_end
 
 if TYPE_CHECKING:
     from singleflight.backend import Lease, LockOps
+    from singleflight.core.tokens import TokenFiles
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -92,8 +93,9 @@ def detach(keep: set[int]) -> None:
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(self, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
-        self.lk, self.lease, self.cfg, self.chan = lk, lease, cfg, chan
+    def __init__(self, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None, tokens: TokenFiles) -> None:
+        self.lk, self.lease, self.cfg, self.chan, self.tokens = lk, lease, cfg, chan, tokens
+        tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
@@ -256,7 +258,7 @@ class Holder:
         if self.chan is not None:
             self.chan.send(protocol.lost(loss))
         with contextlib.suppress(PearingError):
-            self.lk.tokens.remove(self.lease.ticket.ticket_id)
+            self.tokens.remove(self.lease.ticket.ticket_id)
         if self.cfg.owned_by_wrapper and self.cmd.pid is None:
             self._await_command()
         self._stop_command()
@@ -299,7 +301,7 @@ class Holder:
 
     def finish_released(self) -> NoReturn:
         with contextlib.suppress(PearingError):
-            self.lk.tokens.remove(self.lease.ticket.ticket_id)
+            self.tokens.remove(self.lease.ticket.ticket_id)
         self._release_lock_and_exit()
 
     def _stop_command(self) -> None:
@@ -311,13 +313,14 @@ class Holder:
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:
-            self.lease.release()
-            if self.chan is not None:
-                self.chan.send(protocol.Message(protocol.RELEASED))
-                self.chan.close()
-            self.lease.housekeeping()
+            self.lease.release(self._announce_released)
         finally:
             os._exit(0)
+
+    def _announce_released(self) -> None:
+        if self.chan is not None:
+            self.chan.send(protocol.Message(protocol.RELEASED))
+            self.chan.close()
 
 
 def _ignore(signum: int, frame: object) -> None:

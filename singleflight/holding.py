@@ -14,6 +14,7 @@ from singleflight.core.const import CANCELLED, EXPIRED, RELEASED, ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Seconds
 from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.tokens import TokenFiles
 
 if TYPE_CHECKING:
     from singleflight.backend import Grip, LockOps
@@ -155,7 +156,7 @@ class HeldRun:
         self._lost(Loss(EndReason.HOLDER_GONE))
         with contextlib.suppress(PearingError):
             self.lk.end(self.ticket.ticket_id, EXPIRED, EndReason.HOLDER_GONE, release=False)
-            self.lk.tokens.remove(self.ticket.ticket_id)
+            self._remove_token(self.ticket.ticket_id)
         from singleflight.core import group
 
         pidfd = os.pidfd_open(pid)
@@ -208,9 +209,17 @@ class HeldRun:
             window = o.dedupe_window if o.request_uuid else None
             record_end(self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
             self.lk.end(tid, RELEASED, EndReason.COMMAND_EXITED.text(status))
-            self.lk.tokens.remove(tid)
+            self._remove_token(tid)
         except PearingError as exc:
             self.log.error(str(exc))
+
+    def _remove_token(self, ticket_id: str) -> None:
+        """The holder would have removed the token file; it cannot (the paths above: it died)."""
+        tokens = TokenFiles.at(self.o.lock_dir, self.o.repo, self.o.job)
+        try:
+            tokens.remove(ticket_id)
+        finally:
+            tokens.close()
 
     def _holder_failed(self, msg: protocol.Message | None) -> int:
         """The holder died or failed before reporting ready: it may have recorded our ticket
@@ -221,7 +230,7 @@ class HeldRun:
             with contextlib.suppress(PearingError):
                 self.lk.end(tid, state, EndReason.HOLDER_GONE, only_if_held=only_if_held)
         with contextlib.suppress(PearingError):
-            self.lk.tokens.remove(tid)
+            self._remove_token(tid)
         if self.grip is not None:
             self.grip.release()
         if msg is not None and msg.kind == protocol.ERROR:

@@ -272,7 +272,7 @@ def _follow(
             if msg.kind == protocol.ERROR:
                 cur = lk.read(t.ticket_id) or t
                 if cur.live:
-                    tickets.end_orphan(lk, cur)
+                    tickets.end_orphan(backend, lk, cur)
                 raise AgentFailed(msg.code, msg.text)
             last = msg.kind
             if msg.kind == protocol.QUEUED:
@@ -290,7 +290,7 @@ def _follow(
         last = _await_ready(chan) or last
         cur = lk.read(t.ticket_id) or t
     if last is None and chan.eof and cur.live:
-        cur = tickets.end_orphan(lk, cur)  # every write end closed: the agent died without a word
+        cur = tickets.end_orphan(backend, lk, cur)  # every write end closed: the agent died without a word
     out = _outcome(backend, lk, cur)
     if control is not None and last == protocol.READY and control != CONTROL_WAIT and out.code == ExitCode.OK:
         return out, chan
@@ -358,7 +358,7 @@ def release(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str,
     ticket_id = names.ticket_id(ticket_id)
     lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return tickets.view(backend, lk, tickets.release(lk, ticket_id))
+        return tickets.view(backend, lk, tickets.release(backend, lk, ticket_id))
     finally:
         lk.close()
         _drop_kept(ticket_id)  # its agent has let go: nothing left to answer for

@@ -24,8 +24,8 @@ from singleflight.core.const import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
 )
-from singleflight.core.errors import BadValue, UsageError
-from singleflight.core.fs import Dir, resolve_lock_dir
+from singleflight.core.errors import BadValue, LockDirError, UsageError
+from singleflight.core.fs import Dir, lock_parts, resolve_lock_dir
 from singleflight.core.record import loads, rfc3339
 from singleflight.core.ticket import Ticket
 
@@ -48,22 +48,64 @@ def token_hash(token: str) -> str:
 
 
 class TokenFiles:
-    """The token files of one (repo, lock), in the lock's directory on this host."""
+    """The token files of one (repo, lock), in the lock's directory on this host.
 
-    def __init__(self, lock_dir: str, lock_root: Dir) -> None:
-        self.lock_dir, self.root = lock_dir, lock_root
+    On every backend they live in the local lock dir (the token never leaves the acquiring
+    host), so whoever ends a ticket on this host removes its file through this, not the store.
+    """
+
+    def __init__(self, lock_dir: str, lock_root: Dir | None, parts: list[str] | None = None) -> None:
+        self.lock_dir, self.root, self._parts = lock_dir, lock_root, parts
         self._dir: Dir | None = None
+        self._opened_root = False
 
-    def _tokens(self) -> Dir:
+    @classmethod
+    def at(cls, lock_dir: str, repo: str, lock: str) -> TokenFiles:
+        """The token files of (repo, lock) in ``lock_dir``; its directories are opened at first use."""
+        return cls(lock_dir, None, lock_parts(repo, lock))
+
+    def _root(self, *, create: bool) -> Dir | None:
+        if self.root is None:
+            assert self._parts is not None
+            try:
+                top = Dir.open_root(self.lock_dir, create=create)
+            except LockDirError:
+                if create:
+                    raise
+                return None  # no lock dir: no token files
+            try:
+                self.root = top.walk(self._parts, create=create)
+            except FileNotFoundError:
+                return None
+            finally:
+                top.close()
+            self._opened_root = True
+        return self.root
+
+    def _tokens(self, *, create: bool = True) -> Dir | None:
         if self._dir is None:
-            self._dir = self.root.sub("tokens")
+            root = self._root(create=create)
+            if root is None:
+                return None
+            try:
+                self._dir = root.sub("tokens", create=create)
+            except FileNotFoundError:
+                return None
         return self._dir
 
+    def ready(self) -> None:
+        """Open the directories now, not in the middle of a hand-over that must not wait on them."""
+        self._tokens(create=False)
+
     def path(self, ticket_id: str) -> str:
-        return self.root.child_path(f"tokens/{ticket_id}.token")
+        if self.root is not None:
+            return self.root.child_path(f"tokens/{ticket_id}.token")
+        assert self._parts is not None
+        return os.path.join(os.path.abspath(self.lock_dir), *self._parts, "tokens", f"{ticket_id}.token")
 
     def exists(self, ticket_id: str) -> bool:
-        return self._tokens().lstat(f"{ticket_id}.token") is not None
+        d = self._tokens(create=False)
+        return d is not None and d.lstat(f"{ticket_id}.token") is not None
 
     def write(self, ticket: Ticket, token: str, **extra: str) -> str:
         body: dict[str, Any] = {
@@ -76,16 +118,23 @@ class TokenFiles:
             "lock_dir": self.lock_dir,
             **extra,
         }
-        self._tokens().write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+        d = self._tokens()
+        assert d is not None
+        d.write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
         return self.path(ticket.ticket_id)
 
     def remove(self, ticket_id: str) -> None:
-        self._tokens().unlink(f"{ticket_id}.token")
+        d = self._tokens(create=False)
+        if d is not None:
+            d.unlink(f"{ticket_id}.token")
 
     def close(self) -> None:
         if self._dir is not None:
             self._dir.close()
             self._dir = None
+        if self._opened_root and self.root is not None:
+            self.root.close()
+            self.root, self._opened_root = None, False
 
 
 class Verdict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import select
 import time
+from collections.abc import Callable
 from typing import Any
 
 from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
@@ -268,16 +269,17 @@ class EtcdLease:
                 if self.waiting_lease and not self.settled:
                     self.cluster.keepalive(self.waiting_lease)
 
-    def release(self) -> None:
+    def release(self, announce: Callable[[], None]) -> None:
         """Our key goes: the next waiter is promoted now. (Unreachable: its lease lapses.)"""
         if self.watch is not None:
             self.watch.close()
-        if self.key_gone:
-            return
-        with contextlib.suppress(BackendUnavailable, Refused):
-            self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], [op_delete(self.key)], [])
+        if not self.key_gone:
+            with contextlib.suppress(BackendUnavailable, Refused):
+                self.cluster.txn([cmp(self.key, "CREATE", "EQUAL", self.fence)], [op_delete(self.key)], [])
+        announce()
+        self._housekeeping()
 
-    def housekeeping(self) -> None:
+    def _housekeeping(self) -> None:
         """After the hand-over: our lease goes (one write, as etcdctl's session revoke), the end
         record onto an hour's lease first if it has none yet (a run that did not wait). The
         waiting lease, empty by now, lapses by itself.

@@ -13,7 +13,6 @@ from typing import Any
 from singleflight.core import proc
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
-from singleflight.core.fs import Dir, lock_parts
 from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
@@ -36,19 +35,13 @@ class EtcdTickets:
     def close(self) -> None:
         if self._tokens is not None:
             self._tokens.close()
-            self._tokens.root.close()
             self._tokens = None
 
     @property
     def tokens(self) -> TokenFiles:
-        """This host's token files of the lock, in the local lock dir."""
+        """This host's token files of the lock, in the local lock dir (the holder writes its own)."""
         if self._tokens is None:
-            root = Dir.open_root(self.lock_dir, create=True)
-            try:
-                d = root.walk(lock_parts(self.repo, self.lock))
-            finally:
-                root.close()
-            self._tokens = TokenFiles(self.lock_dir, d)
+            self._tokens = TokenFiles.at(self.lock_dir, self.repo, self.lock)
         return self._tokens
 
     def _existing(self, ticket_id: str) -> Ticket:

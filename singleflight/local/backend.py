@@ -24,7 +24,7 @@ from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.request import RequestRecord
 from singleflight.core.ticket import Ticket
-from singleflight.core.tokens import Claim, Facts, TokenFiles
+from singleflight.core.tokens import Claim, Facts
 from singleflight.local import lease, queue
 from singleflight.local.place import FlockGrip, LocalPlace
 from singleflight.local.records import LocalRecords
@@ -63,10 +63,9 @@ class LocalLease:
     def wake_fd(self) -> None:
         """A cancel request pokes the holder (SIGUSR1): no fd to watch."""
 
-    def release(self) -> None:
+    def release(self, announce: Callable[[], None]) -> None:
         self.grip.close()  # the kernel hands the lock to the head waiter now (once every copy is closed)
-
-    def housekeeping(self) -> None:
+        announce()
         lease.housekeeping(self.store)
 
 
@@ -195,10 +194,6 @@ class LocalLock(LocalRecords):
 
     def poke(self, t: Ticket) -> None:
         lease.poke(t, waiter=t.state == WAITING)
-
-    @property
-    def tokens(self) -> TokenFiles:
-        return self.store.tokens
 
     def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         ended = lease.end(self.store, t.ticket_id, state, reason, only_if_held=False)

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
+from singleflight.core.tokens import TokenFiles
 
 if TYPE_CHECKING:
     from singleflight.backend import Backend, LockOps
+    from singleflight.core.line import Line
     from singleflight.core.ticket import Ticket
 
 # How long a release waits for the ticket's process to let go of the lock (a holder stops
@@ -24,7 +26,20 @@ if TYPE_CHECKING:
 RELEASE_WAIT = 10.0
 
 
-def release(lk: LockOps, ticket_id: str) -> Ticket:
+def _tokens(backend: Backend, lk: LockOps) -> TokenFiles:
+    """This host's token files of the lock: in the lock dir on every backend, whoever stores the ticket."""
+    return TokenFiles.at(backend.lock_dir, lk.repo, lk.lock)
+
+
+def _remove_token(backend: Backend, lk: LockOps, ticket_id: str) -> None:
+    tokens = _tokens(backend, lk)
+    try:
+        tokens.remove(ticket_id)
+    finally:
+        tokens.close()
+
+
+def release(backend: Backend, lk: LockOps, ticket_id: str) -> Ticket:
     """Release a held ticket or cancel a waiting one, and wait until its process let go.
 
     Idempotent: a ticket released or cancelled already is returned as it is. Any other end
@@ -39,7 +54,7 @@ def release(lk: LockOps, ticket_id: str) -> Ticket:
     ended = lk.stop(t, final, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
     if ended is None:  # it ended on its own meanwhile
         return _released_already(lk.read(ticket_id) or t)
-    lk.tokens.remove(ticket_id)
+    _remove_token(backend, lk, ticket_id)
     return lk.read(ticket_id) or ended
 
 
@@ -86,11 +101,11 @@ def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
     return math.inf if due is None else due
 
 
-def end_orphan(lk: LockOps, t: Ticket) -> Ticket:
+def end_orphan(backend: Backend, lk: LockOps, t: Ticket) -> Ticket:
     """End a ticket whose process died without a word: nobody holds or waits for it any more."""
     final = EXPIRED if t.state == HELD else CANCELLED
     ended = lk.end(t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
-    lk.tokens.remove(t.ticket_id)
+    _remove_token(backend, lk, t.ticket_id)
     return lk.read(t.ticket_id) or ended or t
 
 
@@ -98,21 +113,33 @@ def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
     """The ticket object of SPEC.md, as its owner sees it."""
     if t.state == HELD and lk.orphaned(t):
         # Never report a lock held whose holder is gone: nobody keeps it any more.
-        t = end_orphan(lk, t)
+        t = end_orphan(backend, lk, t)
     position = lk.position(t) if t.state == WAITING else None
-    return _public(backend, lk, t, position)
+    tokens = _tokens(backend, lk)
+    try:
+        return _public(backend, tokens, t, position)
+    finally:
+        tokens.close()
 
 
-def _public(backend: Backend, lk: LockOps, t: Ticket, position: int | None) -> dict[str, Any]:
+def _public(backend: Backend, tokens: TokenFiles, t: Ticket, position: int | None) -> dict[str, Any]:
     token_file = None
-    if t.state == HELD and lk.tokens.exists(t.ticket_id):
-        token_file = lk.tokens.path(t.ticket_id)
+    if t.state == HELD and tokens.exists(t.ticket_id):
+        token_file = tokens.path(t.ticket_id)
     return t.public(activity=backend.read_activity(t.identity), queue_position=position, token_file=token_file)
 
 
 def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
     """Who holds the lock, who waits in what order, and the lock's fence."""
     line = lk.line()
+    tokens = _tokens(backend, lk)
+    try:
+        return _status(backend, lk, line, tokens)
+    finally:
+        tokens.close()
+
+
+def _status(backend: Backend, lk: LockOps, line: Line, tokens: TokenFiles) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     now = time.monotonic()
     lease_left = None
@@ -123,7 +150,7 @@ def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
             if first:
                 lease_left = e.pop("lease_left", None)
             continue
-        entries.append(_public(backend, lk, e, None if first else i + (0 if line.held else 1)))
+        entries.append(_public(backend, tokens, e, None if first else i + (0 if line.held else 1)))
         if first:
             left = e.lease_left(now)
             lease_left = None if left is None else round(max(0.0, left), 3)
