@@ -208,9 +208,6 @@ class LockOps(Protocol):
     def orphaned(self, ticket: Ticket) -> bool:
         """Is nobody on this host left to keep this ticket's lock (its processes are dead)?"""
 
-    def position(self, ticket: Ticket) -> int | None:
-        """A waiting ticket's 1-based place in line (None: not in line)."""
-
     def line(self) -> Line:
         """The line as it stands: the holder first, then the waiters in order; the lock's fence."""
 

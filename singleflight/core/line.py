@@ -12,11 +12,27 @@ class Line:
     """The line as it stands: ``entries`` in order, the first holding the lock when ``held``
     (a ticket, or another client's key as its public dict, with ``lease_left`` when it holds);
     the lock's ``fence`` (the last one issued, held or not); and what the backend shows beside
-    them (``extra``: etcd's mutex prefix)."""
+    them (``extra``: etcd's mutex prefix). ``unplaced``: waiting tickets listed last that have
+    no place in line yet (the lock dir's agent that is still starting); they have no position."""
 
-    __slots__ = ("entries", "extra", "fence", "held")
+    __slots__ = ("entries", "extra", "fence", "held", "unplaced")
 
     def __init__(
-        self, entries: list[Ticket | dict[str, Any]], *, held: bool, fence: int | None, extra: dict[str, Any]
+        self,
+        entries: list[Ticket | dict[str, Any]],
+        *,
+        held: bool,
+        fence: int | None,
+        extra: dict[str, Any],
+        unplaced: frozenset[str] = frozenset(),
     ) -> None:
         self.entries, self.held, self.fence, self.extra = entries, held, fence, extra
+        self.unplaced = unplaced
+
+    def position(self, ticket_id: str) -> int | None:
+        """A waiting ticket's 1-based place behind the holder (None: the holder, or not in line)."""
+        waiters = self.entries[1:] if self.held else self.entries
+        for i, e in enumerate(waiters):
+            if not isinstance(e, dict) and e.ticket_id == ticket_id:
+                return None if ticket_id in self.unplaced else i + 1
+        return None

@@ -165,13 +165,6 @@ class EtcdTickets:
         kv = self.mutex.find(t.ticket_id)
         return kv is None or not proc.alive(*records.owner_of(kv["value"]))
 
-    def position(self, t: Ticket) -> int | None:
-        kv = self.mutex.find(t.ticket_id)
-        if kv is None:
-            return None
-        keys = [k["key"] for k in self.mutex.queue(keys_only=True)[0]]
-        return (keys.index(kv["key"]) or None) if kv["key"] in keys else None
-
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         kv = self.mutex.find(ticket_id)
         if kv is not None:

@@ -206,10 +206,6 @@ class LocalLock(LocalRecords):
     def orphaned(self, t: Ticket) -> bool:
         return not proc.alive(t.holder_pid, t.holder_start)  # the kernel has freed its flock
 
-    def position(self, t: Ticket) -> int | None:
-        mine = [i for i, n in enumerate(queue.live_entries(self.store)) if n.endswith("." + t.ticket_id)]
-        return mine[0] + 1 if mine else None
-
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         store = self.store
         entry = next((n for n in queue.live_entries(store) if n.endswith("." + ticket_id)), None)
@@ -257,9 +253,11 @@ class LocalLock(LocalRecords):
             elif t.state == WAITING:
                 waiters.append(t)
         order = {n.rpartition(".")[2]: i for i, n in enumerate(queue.live_entries(store))}
-        waiters.sort(key=lambda w: order.get(w.ticket_id, -1))  # one still starting is not in line yet
+        # An agent still starting has no entry yet: it joins at the end, so it is listed there.
+        waiters.sort(key=lambda w: order.get(w.ticket_id, len(order)))
+        unplaced = frozenset(w.ticket_id for w in waiters if w.ticket_id not in order)
         entries: list[Ticket | dict[str, Any]] = [holder, *waiters] if holder else [*waiters]
-        return Line(entries, held=holder is not None, fence=store.read_fence(), extra={})
+        return Line(entries, held=holder is not None, fence=store.read_fence(), extra={}, unplaced=unplaced)
 
 
 def _poll(done: Callable[[], bool], timeout: float) -> None:

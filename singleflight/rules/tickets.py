@@ -114,7 +114,7 @@ def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
     if t.state == HELD and lk.orphaned(t):
         # Never report a lock held whose holder is gone: nobody keeps it any more.
         t = end_orphan(backend, lk, t)
-    position = lk.position(t) if t.state == WAITING else None
+    position = lk.line().position(t.ticket_id) if t.state == WAITING else None
     tokens = _tokens(backend, lk)
     try:
         return _public(backend, tokens, t, position)
@@ -150,7 +150,7 @@ def _status(backend: Backend, lk: LockOps, line: Line, tokens: TokenFiles) -> di
             if first:
                 lease_left = e.pop("lease_left", None)
             continue
-        entries.append(_public(backend, tokens, e, None if first else i + (0 if line.held else 1)))
+        entries.append(_public(backend, tokens, e, line.position(e.ticket_id)))
         if first:
             left = e.lease_left(now)
             lease_left = None if left is None else round(max(0.0, left), 3)
