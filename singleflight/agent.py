@@ -35,7 +35,6 @@ from singleflight.core.errors import PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
-from singleflight.core.tokens import TokenFiles
 from singleflight.holder import Holder, HolderConfig
 from singleflight.rules import tickets
 
@@ -65,7 +64,8 @@ def main(argv: list[str]) -> int:
 
 def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], *, mode: str | None) -> int:
     repo, lock, ticket_id = where
-    lk = open_backend(url, lock_dir).lock(repo, lock, create=False)
+    backend = open_backend(url, lock_dir)
+    lk = backend.lock(repo, lock, create=False)
     # From here on the ticket's liveness is ours (the CLI call may exit).
     ticket = lk.adopt(ticket_id, os.getpid())
     if ticket is None:
@@ -115,9 +115,8 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         os.close(chan.rfd)
         chan.rfd = -1
     cfg = HolderConfig(heartbeat_auto=mode == "auto", owned_by_wrapper=False)
-    Holder(
-        lk, lease, cfg, chan, TokenFiles.at(lock_dir, repo, lock)
-    ).serve()  # unblocks: a poke that came meanwhile is handled now
+    # Unblocks: a poke that came meanwhile is handled now.
+    Holder(backend, lk, lease, cfg, chan).serve()
 
 
 class _Owner:

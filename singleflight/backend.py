@@ -34,6 +34,7 @@ from singleflight.core.protocol import Taken
 if TYPE_CHECKING:
     from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
+    from singleflight.core.request import Key
     from singleflight.core.ticket import Ticket
     from singleflight.core.tokens import Claim, Facts
 
@@ -132,23 +133,6 @@ class LockOps(Protocol):
 
     def close(self) -> None: ...
 
-    # -- the lock's records: rules/requests.py ------------------------------------------------
-    def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
-        """The lock's record ``name`` (``core.request``: the last success, a request's) as stored,
-        the version ``write_record`` compares with, and where it is (for an error naming it). A
-        record written to live with a run (``run=``) whose run is gone reads as None."""
-
-    def write_record(
-        self, name: str, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
-    ) -> bool:
-        """Write (None: remove) the record, only while it is still as ``seen`` (``ANY_VERSION``:
-        whatever it is); False when it changed. With ``run`` it lives as long as that run; with
-        ``keep`` the store may drop it after so many seconds. A copy of exactly ``body`` prepared
-        before (``prepare_record``) is put in place without a write that could fail for space."""
-
-    def prepare_record(self, name: str, body: bytes) -> None:
-        """Before COMMAND starts: keep ``body`` ready for ``write_record`` at its end."""
-
     # -- acquiring ---------------------------------------------------------------------------
     def grip_from(self, info: dict[str, Any]) -> Any:
         """In a holder forked as its run started to wait: the grip its run handed over."""
@@ -230,9 +214,24 @@ class Backend(Protocol):
         """(scope, lock) of every lock with a ticket in line or holding (``idle``: of every lock
         the store keeps state for) in scope ``repo``, or in every scope (None); sorted."""
 
-    def read_activity(self, identity: str) -> str | None: ...
+    # -- records: what they hold is the rules' (rules/requests.py, rules/records.py) -----------
+    def read_record(self, key: Key) -> tuple[bytes | None, Any, str]:
+        """The record ``key`` names (``core.request``: a lock's last success or request, an
+        identity's activity, a resource's fence) as stored, the version ``write_record`` compares
+        with, and where it is (for an error naming it). A record written to live with a run
+        (``run=``) whose run is gone reads as None."""
 
-    def update_activity(self, identity: str, activity: str | None) -> None: ...
+    def write_record(
+        self, key: Key, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        """Write (None: remove) the record, only while it is still as ``seen`` (``ANY_VERSION``:
+        whatever it is); False when it changed. A fence record is written durably. With ``run``
+        it lives as long as that run; with ``keep`` the store may drop it after so many seconds.
+        A copy of exactly ``body`` prepared before (``prepare_record``) is put in place without a
+        write that could fail for space."""
+
+    def prepare_record(self, key: Key, body: bytes) -> None:
+        """Before COMMAND starts: keep ``body`` ready for ``write_record`` at its end."""
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
         """What the store knows of the claimed ticket (``digest``: its token's hash), in one read."""
@@ -240,8 +239,6 @@ class Backend(Protocol):
     def hold_guard(self, claim: Claim, seconds: float) -> AbstractContextManager[bool]:
         """Keep expiry and hand-over of the claimed ticket waiting (at most ``seconds``) while
         inside; False when there is no such ticket to hold off."""
-
-    def accept_fence(self, resource: str, fence: int) -> int: ...
 
     # -- the thread service (a fenced target): rules/threads.py ------------------------------
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:

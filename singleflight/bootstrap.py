@@ -16,7 +16,6 @@ from singleflight.core.const import ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
-from singleflight.core.tokens import TokenFiles
 from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
 
 if TYPE_CHECKING:
@@ -61,7 +60,8 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
     grip (as the run started to wait), first wait for it."""
     try:
         # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
-        lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job, create=False)
+        backend = open_backend(o.backend, o.lock_dir)
+        lk = backend.lock(o.repo, o.job, create=False)
         if grip is None:
             msg = chan.recv()
             if msg is None or msg.kind != protocol.GO:
@@ -70,7 +70,7 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         fault.pause("pause-holder-start")
         lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))
-        Holder(lk, lease, cfg, chan, TokenFiles.at(o.lock_dir, o.repo, o.job)).serve()
+        Holder(backend, lk, lease, cfg, chan).serve()
     except PearingError as exc:
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return exc.exit_code

@@ -26,7 +26,7 @@ from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR
 from singleflight.core.errors import BadValue, LockDirError, NotHeld
 from singleflight.core.fs import Dir, resolve_lock_dir
 from singleflight.core.tokens import Verdict, read_claim
-from singleflight.rules import verdict
+from singleflight.rules import records, verdict
 
 __all__ = ["Verdict", "accept_fence", "guarded", "verify"]
 
@@ -83,11 +83,15 @@ def accept_fence(
         raise BadValue("resource", resource, "must be 1 to 512 printable characters")
     fence = names.fence(fence)
     if ledger:
-        from singleflight.core import ledger as file_ledger
+        from singleflight.core.ledger import FileLedger
 
         path = os.path.abspath(ledger)
         parent, name = os.path.split(path)
         with Dir.open_checked(parent, what="the ledger's directory") as d:
-            return file_ledger.accept(d, name, resource, fence)
+            return records.accept_fence(FileLedger(d, name), resource, fence)
     lock_dir_path = resolve_lock_dir(lock_dir if lock_dir is not None else os.environ.get(ENV_LOCK_DIR) or None)
-    return open_backend(backend, lock_dir_path).accept_fence(resource, fence)
+    store = open_backend(backend, lock_dir_path)
+    try:
+        return records.accept_fence(store, resource, fence)
+    finally:
+        store.close()

@@ -22,13 +22,13 @@ from singleflight.core.const import EXPIRED, RELEASED
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.tokens import TokenFiles
 from singleflight.core.watched import Watched
 from singleflight.rules import events
 from singleflight.rules.requests import prepare_end, record_end
 
 if TYPE_CHECKING:
-    from singleflight.backend import Lease, LockOps
-    from singleflight.core.tokens import TokenFiles
+    from singleflight.backend import Backend, Lease, LockOps
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -93,9 +93,10 @@ def detach(keep: set[int]) -> None:
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(self, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None, tokens: TokenFiles) -> None:
-        self.lk, self.lease, self.cfg, self.chan, self.tokens = lk, lease, cfg, chan, tokens
-        tokens.ready()  # its file goes between the token's end and the release: no opens then
+    def __init__(self, backend: Backend, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
+        self.backend, self.lk, self.lease, self.cfg, self.chan = backend, lk, lease, cfg, chan
+        self.tokens = TokenFiles.at(backend.lock_dir, lk.repo, lk.lock)
+        self.tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
@@ -118,7 +119,7 @@ class Holder:
 
     def _serve(self) -> NoReturn:
         if self.cfg.request_uuid:
-            prepare_end(self.lk, self.lease.ticket, self.cfg.dedupe_window)
+            prepare_end(self.backend, self.lk, self.lease.ticket, self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
@@ -288,7 +289,7 @@ class Holder:
         fault.point("before-finish")
         try:
             window = self.cfg.dedupe_window if self.cfg.request_uuid else None
-            record_end(self.lk, self.lease.ticket, status, window=window, success=self.cfg.record_success)
+            record_end(self.backend, self.lk, self.lease.ticket, status, window=window, success=self.cfg.record_success)
         except PearingError as exc:
             # A failed run is retried anyway; a success that could not be recorded must
             # not pass for one that was: pearing-run exits with this error, naming the path.

@@ -17,7 +17,7 @@ from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.tokens import TokenFiles
 
 if TYPE_CHECKING:
-    from singleflight.backend import Grip, LockOps
+    from singleflight.backend import Backend, Grip, LockOps
     from singleflight.command import Child
     from singleflight.core.log import Log
     from singleflight.core.protocol import Channel
@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 
 
 class HeldRun:
-    def __init__(self, o: RunOptions, log: Log, lk: LockOps, ticket: Ticket, *, metrics: RunMetrics) -> None:
-        self.o, self.log, self.lk, self.ticket, self.metrics = o, log, lk, ticket, metrics
+    def __init__(
+        self, o: RunOptions, log: Log, backend: Backend, lk: LockOps, ticket: Ticket, *, metrics: RunMetrics
+    ) -> None:
+        self.o, self.log, self.backend, self.lk, self.ticket, self.metrics = o, log, backend, lk, ticket, metrics
         self.child: Child | None = None
         self.lost: Loss | None = None
         self.grip: Grip | None = None
@@ -207,7 +209,7 @@ class HeldRun:
         tid, o = self.ticket.ticket_id, self.o
         try:
             window = o.dedupe_window if o.request_uuid else None
-            record_end(self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
+            record_end(self.backend, self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
             self.lk.end(tid, RELEASED, EndReason.COMMAND_EXITED.text(status))
             self._remove_token(tid)
         except PearingError as exc:

@@ -29,7 +29,7 @@ from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
 from singleflight.core.record import new_uuid4
 from singleflight.core.ticket import Ticket
-from singleflight.rules import tickets
+from singleflight.rules import records, tickets
 
 if TYPE_CHECKING:
     from singleflight.backend import Backend, LockOps
@@ -368,7 +368,7 @@ def update_activity(backend: Backend, identity: str, activity: str | None) -> di
     """Set (text) or clear (None) what ``identity`` is doing; every front end's text is checked here."""
     if activity is not None:
         names.activity(activity)
-    backend.update_activity(names.identity(identity), activity)
+    records.write_activity(backend, names.identity(identity), activity)
     return {"identity": identity, "activity": activity}
 
 

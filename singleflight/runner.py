@@ -56,7 +56,8 @@ class Runner:
 
     def run(self) -> int:
         o = self.o
-        self.lk = open_backend(o.backend, o.lock_dir).lock(o.repo, o.job)
+        self.backend = open_backend(o.backend, o.lock_dir)
+        self.lk = self.backend.lock(o.repo, o.job)
         self.ticket = Ticket(
             ticket_id=new_uuid4(),
             request_uuid=o.request_uuid or new_uuid4(),
@@ -84,7 +85,7 @@ class Runner:
             return 0
         claimed = False
         if o.request_uuid:
-            verdict = requests.claim(self.lk, self.ticket)
+            verdict = requests.claim(self.backend, self.lk, self.ticket)
             if verdict == CLAIM_DONE:
                 self.log.event("deduplicated", lock=o.job, request=o.request_uuid)
                 self._metric("deduplicated")
@@ -103,15 +104,15 @@ class Runner:
                 grip.close()
                 grip = None
                 if claimed:
-                    requests.unclaim(self.lk, self.ticket)
+                    requests.unclaim(self.backend, self.lk, self.ticket)
                 return 0
         except BaseException:
             if claimed:
-                requests.unclaim(self.lk, self.ticket)
+                requests.unclaim(self.backend, self.lk, self.ticket)
             raise
         if grip is None:
             if claimed:
-                requests.unclaim(self.lk, self.ticket)
+                requests.unclaim(self.backend, self.lk, self.ticket)
             self._metric("busy")
             return o.busy_exit_code
         return self._hold_and_run(grip)
@@ -120,7 +121,7 @@ class Runner:
         """--min-interval: a run of this job that succeeded started less than that long ago."""
         if self.o.min_interval is None:
             return False
-        last = requests.last_success(self.lk)
+        last = requests.last_success(self.backend, self.lk)
         if last is None or time.time() - last >= self.o.min_interval:
             return False
         from singleflight.core.record import rfc3339
@@ -172,7 +173,7 @@ class Runner:
         from singleflight.holding import HeldRun
 
         standby, self.standby = self.standby, None  # the held run closes it now
-        held = HeldRun(self.o, self.log, self.lk, self.ticket, metrics=self.metrics)
+        held = HeldRun(self.o, self.log, self.backend, self.lk, self.ticket, metrics=self.metrics)
         return held.run(grip, waited=self.waited, standby=standby, holder_pid=self.holder_pid)
 
 

@@ -596,3 +596,27 @@ def test_status_lists_locks_in_use_and_idle_ones_only_when_asked(backend: str, p
     assert bad.returncode == ExitCode.USAGE and "--all" in bad.one_line(), bad
     gate.open()
     assert procs.finish(holder).returncode == 0
+
+
+@pytest.mark.parametrize("body", [b"\x00not json", b'{"activity": 7}', b"[]"])
+def test_a_corrupt_activity_record_is_74_naming_where_on_every_backend(
+    body: bytes, backend: str, work_procs: Procs, lock_dir: Path
+) -> None:
+    """An activity record written by some other hand is the same 74 on every backend, naming
+    where it is (etcd once read it as no activity at all), and the record is left for a person."""
+    from singleflight.backend import open_backend
+    from singleflight.core.request import ANY_VERSION, activity_record
+
+    t = _acquire(work_procs, identity="ops@host").json
+    assert t["state"] == "held", t
+    b = open_backend(work_procs.env.get(ENV_BACKEND), str(lock_dir))
+    try:
+        assert b.write_record(activity_record("ops@host"), body, ANY_VERSION)
+        got = _get(work_procs, t["ticket_id"])
+        assert got.returncode == ExitCode.IOERR, got
+        assert "not an activity record" in got.one_line() and "activity/ops@host" in got.one_line(), got
+        assert b.read_record(activity_record("ops@host"))[0] == body
+        assert b.write_record(activity_record("ops@host"), None, ANY_VERSION)  # the person's fix
+    finally:
+        b.close()
+    assert _cli(work_procs, "release-lock-ticket", _LOCK, t["ticket_id"], "--repo", _REPO).returncode == 0

@@ -16,17 +16,46 @@ from singleflight.core.record import checked, is_uuid, loads
 if TYPE_CHECKING:
     from singleflight.core.ticket import Ticket
 
-# A lock's records, as a backend names them (``LockOps.read_record``): the last successful
+# A lock's records, as a backend names them (``Backend.read_record``): the last successful
 # start (--min-interval) and one record per request uuid (--request-uuid / --request-key).
 SUCCESS_RECORD: Final = "success"
 REQUEST_PREFIX: Final = "request/"
+# The backend's own records: what an identity is doing (update-user-activity), and the highest
+# fence a target accepted per resource (pearing-guard fence).
+ACTIVITY_PREFIX: Final = "activity/"
+FENCE_PREFIX: Final = "fence/"
+
+
+class Key:
+    """Where a record lives in a backend: among a lock's (``lock``: its (scope, name)) or the
+    backend's own (None), by ``name``. What a record holds is the rules' (``rules``)."""
+
+    __slots__ = ("lock", "name")
+
+    def __init__(self, lock: tuple[str, str] | None, name: str) -> None:
+        self.lock, self.name = lock, name
+
+    def __repr__(self) -> str:
+        return f"Key({self.lock!r}, {self.name!r})"
+
+
+def lock_record(repo: str, lock: str, name: str) -> Key:
+    return Key((repo, lock), name)
 
 
 def request_record(request_uuid: str) -> str:
     return REQUEST_PREFIX + request_uuid
 
 
-# ``LockOps.write_record``'s ``seen`` for a write whatever the record holds now.
+def activity_record(identity: str) -> Key:
+    return Key(None, ACTIVITY_PREFIX + identity)
+
+
+def fence_record(resource: str) -> Key:
+    return Key(None, FENCE_PREFIX + resource)
+
+
+# ``Backend.write_record``'s ``seen`` for a write whatever the record holds now.
 ANY_VERSION: Final = object()
 
 _REQUEST_STATES: Final = frozenset({REQUEST_ACTIVE, REQUEST_SUCCEEDED, REQUEST_FAILED})
@@ -105,7 +134,7 @@ class RequestRecord:
     def succeeded(cls, ticket: Ticket, window: float) -> RequestRecord:
         """A run's success, deduplicated for ``window`` seconds from its start: the same bytes
         whenever and wherever it is built (holder or wrapper), so a copy prepared before COMMAND
-        started is the one put in place at its end (``LockOps.prepare_record``)."""
+        started is the one put in place at its end (``Backend.prepare_record``)."""
         started = ticket.acquired_at if ticket.acquired_at is not None else time.time()
         return cls(
             state=REQUEST_SUCCEEDED,

@@ -6,8 +6,6 @@ the backend, so ``pearing-guard`` checks the cluster.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +20,15 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
 )
 from singleflight.core.protocol import Taken
-from singleflight.core.request import ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, RequestRecord
+from singleflight.core.request import (
+    ACTIVITY_PREFIX,
+    ANY_VERSION,
+    FENCE_PREFIX,
+    REQUEST_PREFIX,
+    SUCCESS_RECORD,
+    Key,
+    RequestRecord,
+)
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records
@@ -55,8 +61,9 @@ class EtcdLock(EtcdTickets):
     def __init__(self, backend: EtcdBackend, repo: str, lock: str, *, must_exist: bool = False) -> None:
         super().__init__(backend.cluster, backend.lock_dir, repo, lock, must_exist=must_exist)
         self.backend = backend
-        self._leases: dict[str, int] = {}
-        self._kept: dict[str, float] = {}
+        # The holder's lease of each ticket this process joined, and when it was last kept: the
+        # backend's, as a run's request claim rides on it (``EtcdBackend.write_record``).
+        self._leases, self._kept = backend.leases, backend.kept
         self._adopted: dict[str, dict[str, Any]] = {}
         self._agents: set[str] = set()  # tickets adopted by their agent (pearing-cli, MCP, Lock)
         self._minted: dict[str, str] = {}
@@ -65,13 +72,7 @@ class EtcdLock(EtcdTickets):
         return EtcdGrip.from_handover(self.cluster, info)
 
     def _lease_for(self, ticket: Ticket) -> int:
-        """The holder's lease of the ticket, granted before it joins (the request claim rides on it)."""
-        lease = self._leases.get(ticket.ticket_id)
-        if lease is None:
-            sent = time.monotonic()
-            lease = self._leases[ticket.ticket_id] = self.cluster.grant(ttl_of(ticket.lease_seconds))
-            self._kept[ticket.ticket_id] = sent
-        return lease
+        return self.backend.lease_for(ticket)
 
     def kept_at(self, ticket_id: str) -> float:
         return self._kept.get(ticket_id, 0.0)
@@ -97,43 +98,6 @@ class EtcdLock(EtcdTickets):
             return False
         self._kept[tid] = sent
         return True
-
-    # -- the lock's records (what they hold: rules/requests.py) -----------------------------
-
-    def _record_key(self, name: str) -> str:
-        if name == SUCCESS_RECORD:
-            return self.mutex.base + "s"
-        if name.startswith(REQUEST_PREFIX):
-            return self.mutex.r + name[len(REQUEST_PREFIX) :]
-        raise ValueError(f"no such record: {name!r}")
-
-    def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
-        key = self._record_key(name)
-        kv = self.cluster.get(key)
-        return (None, None, f"etcd:{key}") if kv is None else (kv["value"], kv, f"etcd:{key}")
-
-    def write_record(
-        self, name: str, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
-    ) -> bool:
-        """Compare-and-swap on the key's mod revision. A record of a run rides on the run's own
-        lease (the holder's, granted here before it joins): if the run dies, it goes with it."""
-        key = self._record_key(name)
-        if seen is ANY_VERSION:
-            check = []
-        else:
-            check = [cmp(key, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(key, "CREATE", "EQUAL", 0)]
-        if body is None:
-            op = op_delete(key)
-        elif run is not None:
-            op = op_put(key, body, self._lease_for(run))
-        elif keep is not None:
-            op = op_put(key, body, self.cluster.grant(ttl_of(max(1.0, keep))))
-        else:
-            op = op_put(key, body)
-        return bool(self.cluster.txn(check, [op], []).get("succeeded"))
-
-    def prepare_record(self, name: str, body: bytes) -> None:
-        """A cluster does not run out of disk under one run: nothing to prepare."""
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -285,6 +249,8 @@ class EtcdBackend:
         parse_url(url)
         self.url, self.lock_dir = url, lock_dir
         self.cluster = Cluster(url)
+        self.leases: dict[str, int] = {}
+        self.kept: dict[str, float] = {}
 
     def close(self) -> None:
         """Close the connections to the members now: a server (pearing-mcp) opens a backend per
@@ -301,21 +267,59 @@ class EtcdBackend:
     def lock(self, repo: str, lock: str, *, create: bool = True) -> EtcdLock:
         return EtcdLock(self, names.scope(repo), names.lock_name(lock), must_exist=not create)
 
-    def read_activity(self, identity: str) -> str | None:
-        kv = self.cluster.get(f"{self.cluster.root}activity/{identity}")
-        if kv is None:
-            return None
-        with contextlib.suppress(ValueError, AttributeError):
-            text = json.loads(kv["value"]).get("activity")
-            return str(text) if text is not None else None
-        return None
+    # -- records (what they hold: rules/requests.py, rules/records.py) ------------------------
 
-    def update_activity(self, identity: str, activity: str | None) -> None:
-        key = f"{self.cluster.root}activity/{identity}"
-        if activity is None:
-            self.cluster.delete(key)
+    def _record_key(self, key: Key) -> str:
+        root, name = self.cluster.root, key.name
+        if key.lock is None:
+            if name.startswith(ACTIVITY_PREFIX):
+                return f"{root}activity/{name[len(ACTIVITY_PREFIX) :]}"
+            if name.startswith(FENCE_PREFIX):
+                return f"{root}ledger/{name[len(FENCE_PREFIX) :]}"
         else:
-            self.cluster.put(key, json.dumps({"activity": activity, "at": time.time()}).encode())
+            base = Mutex(self.cluster, *key.lock).base
+            if name == SUCCESS_RECORD:
+                return base + "s"
+            if name.startswith(REQUEST_PREFIX):
+                return base + "r/" + name[len(REQUEST_PREFIX) :]
+        raise ValueError(f"no such record: {key!r}")
+
+    def read_record(self, key: Key) -> tuple[bytes | None, Any, str]:
+        at = self._record_key(key)
+        kv = self.cluster.get(at)
+        return (None, None, f"etcd:{at}") if kv is None else (kv["value"], kv, f"etcd:{at}")
+
+    def write_record(
+        self, key: Key, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        """Compare-and-swap on the key's mod revision. A record of a run rides on the run's own
+        lease (the holder's, granted before it joins): if the run dies, it goes with it."""
+        at = self._record_key(key)
+        if seen is ANY_VERSION:
+            check = []
+        else:
+            check = [cmp(at, "MOD", "EQUAL", seen["mod_revision"]) if seen else cmp(at, "CREATE", "EQUAL", 0)]
+        if body is None:
+            op = op_delete(at)
+        elif run is not None:
+            op = op_put(at, body, self.lease_for(run))
+        elif keep is not None:
+            op = op_put(at, body, self.cluster.grant(ttl_of(max(1.0, keep))))
+        else:
+            op = op_put(at, body)
+        return bool(self.cluster.txn(check, [op], []).get("succeeded"))
+
+    def prepare_record(self, key: Key, body: bytes) -> None:
+        """A cluster does not run out of disk under one run: nothing to prepare."""
+
+    def lease_for(self, ticket: Ticket) -> int:
+        """The holder's lease of the ticket, granted before it joins (the request claim rides on it)."""
+        lease = self.leases.get(ticket.ticket_id)
+        if lease is None:
+            sent = time.monotonic()
+            lease = self.leases[ticket.ticket_id] = self.cluster.grant(ttl_of(ticket.lease_seconds))
+            self.kept[ticket.ticket_id] = sent
+        return lease
 
     def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
         root = self.cluster.root
@@ -342,9 +346,6 @@ class EtcdBackend:
         finally:
             if held is not None:
                 self.cluster.revoke(held[1])
-
-    def accept_fence(self, resource: str, fence: int) -> int:
-        return recipe_guard.accept_fence(self.cluster, resource, fence)
 
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
         from singleflight.etcd.threads import Threads

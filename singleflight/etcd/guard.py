@@ -1,5 +1,6 @@
 """The guard's side of the etcd backend: what the cluster knows of a token (``facts``), an in-flight guarded
-command (``hold_guard``), the fence ledger (``accept_fence``)."""
+command (``hold_guard``). The fence ledger is a record (``EtcdBackend.write_record``), judged by
+``rules.records.accept_fence``."""
 
 from __future__ import annotations
 
@@ -84,39 +85,6 @@ def _int(raw: bytes) -> int | None:
         return int(raw)
     except ValueError:
         return None
-
-
-def accept_fence(cluster: Cluster, resource: str, fence: int) -> int:
-    """The ledger as an etcd key, updated by compare-and-swap on its mod revision."""
-    from singleflight.core.errors import StaleFence
-
-    key = f"{cluster.root}ledger/{resource}"
-    while True:
-        kv = cluster.get(key)
-        highest = _ledger_fence(key, kv["value"]) if kv else 0
-        if fence < highest:
-            raise StaleFence(resource, fence, highest)
-        if fence == highest:
-            return fence
-        check = cmp(key, "MOD", "EQUAL", kv["mod_revision"]) if kv else cmp(key, "CREATE", "EQUAL", 0)
-        if cluster.txn([check], [op_put(key, str(fence).encode())], []).get("succeeded"):
-            return fence
-
-
-def _ledger_fence(key: str, raw: bytes) -> int:
-    """The fence a ledger key holds: exactly what ``accept_fence`` writes, ``str(fence)`` of a
-    fence from 1 to MAX_FENCE (ASCII digits, no sign, space or leading zero), as the lock
-    dir's ledger holds integers from 1 to MAX_FENCE. Anything else was written by some other
-    hand, and reading it leniently could let a stale fence pass (int() takes " -5", "+5\n"
-    and "1_000"; "-5" would even be overwritten): a corrupt record (74), left for a person."""
-    from singleflight.core.const import MAX_FENCE
-    from singleflight.core.errors import CorruptRecord
-
-    n = len(raw)
-    if 0 < n <= len(str(MAX_FENCE)) and raw.isdigit() and raw[:1] != b"0" and int(raw) <= MAX_FENCE:
-        return int(raw)
-    shown = repr(raw[:40])[1:] + ("..." if n > 40 else "")  # escaped: one line, whatever it holds
-    raise CorruptRecord(key, f"holds {shown}, not a fence (an integer from 1 to {MAX_FENCE} in ASCII digits)")
 
 
 def hold_guard(cluster: Cluster, repo: str, lock: str, ticket_id: str, seconds: float) -> tuple[str, int] | None:

@@ -1,6 +1,6 @@
 """The request records a ticket of pearing-cli is created with (--request-uuid / --request-key):
 one ticket per request, even when two arrive at once. The rest of a lock's records are read and
-written as ``EtcdLock.read_record`` / ``write_record``."""
+written as ``EtcdBackend.read_record`` / ``write_record``."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
@@ -22,13 +22,16 @@ from singleflight.core.errors import UnknownLock, UnknownTicket
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
-from singleflight.core.request import RequestRecord
+from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts
 from singleflight.local import lease, queue
 from singleflight.local.place import FlockGrip, LocalPlace
-from singleflight.local.records import LocalRecords
+from singleflight.local.records import ActivityRecords, LockRecords
 from singleflight.local.store import LockDir, LockStore
+
+if TYPE_CHECKING:
+    from singleflight.core.ledger import FileLedger
 
 
 class LocalLease:
@@ -69,7 +72,7 @@ class LocalLease:
         lease.housekeeping(self.store)
 
 
-class LocalLock(LocalRecords):
+class LocalLock:
     """One (scope, lock) in the lock dir."""
 
     def __init__(self, backend: LocalBackend, store: LockStore) -> None:
@@ -77,6 +80,8 @@ class LocalLock(LocalRecords):
         self.repo, self.lock = store.repo, store.lock
 
     def close(self) -> None:
+        if self.backend.open_stores.get((self.repo, self.lock)) is self.store:
+            del self.backend.open_stores[(self.repo, self.lock)]
         self.store.close()
 
     def grip_from(self, info: dict[str, Any]) -> FlockGrip:
@@ -271,6 +276,9 @@ class LocalBackend:
     def __init__(self, url: str, lock_dir: str, *, create: bool = True) -> None:
         self.url, self.lock_dir = url, lock_dir
         self.dir = LockDir(lock_dir, create=create)
+        # The locks this process has open (``lock``): their records are read and written through
+        # the same files, not opened again.
+        self.open_stores: dict[tuple[str, str], LockStore] = {}
 
     def close(self) -> None:
         self.dir.close()
@@ -285,9 +293,11 @@ class LocalBackend:
         names.lock_name(lock)
         names.scope(repo)
         try:
-            return LocalLock(self, self.dir.lock_store(repo, lock, create=create))
+            store = self.dir.lock_store(repo, lock, create=create)
         except FileNotFoundError:
             raise UnknownLock(repo, lock) from None
+        self.open_stores[(repo, lock)] = store
+        return LocalLock(self, store)
 
     def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
         out = []
@@ -300,11 +310,42 @@ class LocalBackend:
                     out.append((store.repo, store.lock))
         return sorted(out)
 
-    def read_activity(self, identity: str) -> str | None:
-        return self.dir.read_activity(identity)
+    # -- records ---------------------------------------------------------------------------
 
-    def update_activity(self, identity: str, activity: str | None) -> None:
-        self.dir.write_activity(identity, activity)
+    @contextmanager
+    def _lock_records(self, key: Key) -> Iterator[LockRecords]:
+        assert key.lock is not None
+        store = self.open_stores.get(key.lock)
+        if store is not None:
+            yield LockRecords(store)
+            return
+        with self.dir.lock_store(*key.lock) as opened:
+            yield LockRecords(opened)
+
+    def _own(self, key: Key) -> ActivityRecords | FileLedger:
+        if key.name.startswith(FENCE_PREFIX):
+            from singleflight.core.ledger import FileLedger  # pearing-guard fence's, not pearing-run's
+
+            return FileLedger(self.dir.root, "ledger.json")
+        return ActivityRecords(self.dir.root)
+
+    def read_record(self, key: Key) -> tuple[bytes | None, Any, str]:
+        if key.lock is None:
+            return self._own(key).read_record(key)
+        with self._lock_records(key) as records:
+            return records.read_record(key.name)
+
+    def write_record(
+        self, key: Key, body: bytes | None, seen: Any, *, run: Ticket | None = None, keep: float | None = None
+    ) -> bool:
+        if key.lock is None:
+            return self._own(key).write_record(key, body, seen)
+        with self._lock_records(key) as records:
+            return records.write_record(key.name, body, seen, run=run, keep=keep)
+
+    def prepare_record(self, key: Key, body: bytes) -> None:
+        with self._lock_records(key) as records:
+            records.prepare_record(key.name, body)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
         from singleflight.local import guard  # hmac and the rest: pearing-guard's, not pearing-run's
@@ -315,11 +356,6 @@ class LocalBackend:
         from singleflight.local import guard
 
         return guard.hold_guard(claim)
-
-    def accept_fence(self, resource: str, fence: int) -> int:
-        from singleflight.core import ledger
-
-        return ledger.accept(self.dir.root, "ledger.json", resource, fence)
 
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
         from singleflight.local.threads import Threads  # sqlite3: the thread service's, not pearing-run's

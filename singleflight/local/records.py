@@ -1,21 +1,24 @@
-"""The lock dir's records of a lock's runs: the last success (``success``) and one file per request
-(``requests/UUID.json``), beside the lock's tickets. What they hold is rules/requests.py's."""
+"""The lock dir's records: a lock's last success (``success``) and one file per request
+(``requests/UUID.json``), beside the lock's tickets; an identity's activity (``activity/ID``);
+the fence ledger (``ledger.json``, ``core.ledger``). What they hold is the rules'."""
 
 from __future__ import annotations
 
+import fcntl
 from typing import Any
 
 from singleflight.core import proc
 from singleflight.core.fs import Dir
-from singleflight.core.request import ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, RequestRecord
+from singleflight.core.request import ACTIVITY_PREFIX, ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, Key, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.local.store import LockStore
 
 
-class LocalRecords:
-    """What ``LockOps`` offers of a lock's records, on the lock dir."""
+class LockRecords:
+    """A lock's records, in its directory."""
 
-    store: LockStore
+    def __init__(self, store: LockStore) -> None:
+        self.store = store
 
     def _where(self, name: str) -> tuple[Dir, str, bool]:
         """The directory and file of a record, and whether it must survive a crash (a request's:
@@ -77,3 +80,36 @@ class LocalRecords:
 
 def _prepared(file: str) -> str:
     return f".{file.removesuffix('.json')}.succeeded"
+
+
+class ActivityRecords:
+    """Each identity's activity, one file per identity in ``activity/``. A compare-and-set holds
+    the directory's own flock; a write whatever is there (the usual one) needs none."""
+
+    def __init__(self, root: Dir) -> None:
+        self.root = root
+
+    @staticmethod
+    def _identity(key: Key) -> str:
+        if key.lock is not None or not key.name.startswith(ACTIVITY_PREFIX):
+            raise ValueError(f"no such record: {key!r}")
+        return key.name[len(ACTIVITY_PREFIX) :]
+
+    def read_record(self, key: Key) -> tuple[bytes | None, Any, str]:
+        identity = self._identity(key)
+        with self.root.sub("activity") as d:
+            body = d.read(identity)
+            return body, body, d.child_path(identity)
+
+    def write_record(self, key: Key, body: bytes | None, seen: Any) -> bool:
+        identity = self._identity(key)
+        with self.root.sub("activity") as d:
+            if seen is not ANY_VERSION:
+                fcntl.flock(d.fd, fcntl.LOCK_EX)  # released as the directory's fd closes
+                if d.read(identity) != seen:
+                    return False
+            if body is None:
+                d.unlink(identity)
+            else:
+                d.write_atomic(identity, body, durable=False)
+            return True

@@ -20,9 +20,7 @@ LOCK_DIR/                      0700, owned by the user, never group/world-writab
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -84,29 +82,6 @@ class LockDir:
                             continue
             finally:
                 d.close()
-
-    def activity_dir(self) -> Dir:
-        return self.root.sub("activity")
-
-    def read_activity(self, identity: str) -> str | None:
-        with self.activity_dir() as d:
-            data = d.read(identity)
-        if data is None:
-            return None
-        try:
-            text = loads(data)["activity"]
-            if text is not None and not isinstance(text, str):
-                raise TypeError("activity is not text")
-        except (ValueError, KeyError, TypeError):
-            raise CorruptRecord(d.child_path(identity), "not an activity record") from None
-        return text
-
-    def write_activity(self, identity: str, text: str | None) -> None:
-        with self.activity_dir() as d:
-            if text is None:
-                d.unlink(identity)
-            else:
-                d.write_atomic(identity, json.dumps({"activity": text, "at": time.time()}).encode(), durable=False)
 
 
 def _made_by_us(name: str, segs: list[str]) -> bool:

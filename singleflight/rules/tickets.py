@@ -15,6 +15,7 @@ from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
 from singleflight.core.tokens import TokenFiles
+from singleflight.rules import records
 
 if TYPE_CHECKING:
     from singleflight.backend import Backend, LockOps
@@ -126,7 +127,7 @@ def _public(backend: Backend, tokens: TokenFiles, t: Ticket, position: int | Non
     token_file = None
     if t.state == HELD and tokens.exists(t.ticket_id):
         token_file = tokens.path(t.ticket_id)
-    return t.public(activity=backend.read_activity(t.identity), queue_position=position, token_file=token_file)
+    return t.public(activity=records.read_activity(backend, t.identity), queue_position=position, token_file=token_file)
 
 
 def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
