@@ -98,6 +98,7 @@ class Holder:
         self.tokens = TokenFiles.at(backend.lock_dir, lk.repo, lk.lock)
         self.tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
+        self._first_lease = False  # renew once, as COMMAND starts (manual heartbeat)
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         for sig in HOLDER_SIGNALS:
@@ -177,7 +178,8 @@ class Holder:
                 self._check_lease()
             if max_deadline is not None and now >= max_deadline:
                 self.lose(Loss(EndReason.MAX_RUNTIME, self.cfg.max_runtime))
-            if self._renewing() and now >= renew_at:
+            if self._first_lease or (self._renewing() and now >= renew_at):
+                self._first_lease = False
                 self.lease.renew()
                 renew_at = now + renew_every
 
@@ -201,6 +203,9 @@ class Holder:
                 self.cmd.spawning = msg.stamp
             elif msg.kind == protocol.STARTED:
                 self.cmd.started(msg.pid, msg.stamp, poller)
+                # --heartbeat manual: COMMAND's first lease period is its own, from its start;
+                # the spawn (slow on a busy machine) does not eat the slack of its first beat.
+                self._first_lease = not self.cfg.heartbeat_auto
             elif msg.kind == protocol.EXITED:
                 self.cmd.done = True
                 self.finish(msg.status)

@@ -19,6 +19,7 @@ Lines (F = $PEARING_FENCE, NS = monotonic ns, PID = this process):
     begin F NS PID CID MODE        a side effect set off (the writer runs)
     write F NS PID CID MODE        a side effect landed
     refused F NS PID CID WHAT      pearing-guard exec / fence / heartbeat said no
+    beat F NS0 NS1 PID CID         a heartbeat accepted: pearing-cli started at NS0, ended at NS1
 """
 
 from __future__ import annotations
@@ -114,11 +115,13 @@ def run(log: str, cid: str, plan: Plan) -> int:
             # last one ended: on a loaded machine one pearing-cli start takes seconds, and a
             # beat that waited P more after it would not come within every lease period.
             next_hb = max(next_hb + period, now)
+            sent = time.monotonic_ns()
             if subprocess.run(hb, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode:
                 # The lease is gone: the caller must stop (SPEC), and does.
                 record(log, "refused", fence, time.monotonic_ns(), me, cid, "heartbeat")
                 record(log, "end", fence, time.monotonic_ns(), me, cid, "refused")
                 return REFUSED
+            record(log, "beat", fence, sent, time.monotonic_ns(), me, cid)
             continue
         wake = started + plan.hold
         if period is not None:

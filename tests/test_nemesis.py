@@ -90,11 +90,11 @@ import nemesis_command
 import pytest
 from caps import Caps, caps_of
 from etcd_cluster import Cluster
-from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, ticket_records, wait_for
+from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, proc_state, ticket_records, wait_for
 from hostile_peer import HostilePeer
 
 from singleflight.core import proc as _proc
-from singleflight.core.const import ENV_BACKEND, ExitCode
+from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ExitCode
 
 SEED = int(os.environ.get("NEMESIS_SEED", "20260214"))
 STORM_SECONDS = float(os.environ.get("NEMESIS_SECONDS", "35"))  # a CI round; soak with PEARING_SOAK_SECONDS
@@ -266,6 +266,7 @@ class Watcher(threading.Thread):
         self.steps: list[Step] = []
         self.writes: list[Write] = []
         self.refusals: collections.Counter[str] = collections.Counter()
+        self.beats: list[tuple[int, int]] = []  # (sent, answered) of each heartbeat accepted, ns
         self.problems: list[str] = []
         self.error: BaseException | None = None
         self._mutex = threading.Lock()
@@ -339,6 +340,8 @@ class Watcher(threading.Thread):
             self.writes.append(Write(fence=int(w[1]), ns=int(w[2]), cid=int(w[4]), mode=w[5]))
         elif kind == "refused":
             self.refusals[w[5]] += 1
+        elif kind == "beat":
+            self.beats.append((int(w[2]), int(w[3])))
 
     def _watch_pid(self, step: Step) -> None:
         try:
@@ -1116,7 +1119,9 @@ class Solo:
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
         self.t0 = time.monotonic_ns()
 
-    def start(self, name: str, flags: list[str], plan: list[str], *, close: str = "") -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, flags: list[str], plan: list[str], *, close: str = "", env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """pearing-run FLAGS -- nemesis_command.py run PLAN; ``close``: fds to close first,
         as sh redirections (``<&- >&- 2>&-``)."""
         cid = len(self.runs)
@@ -1124,7 +1129,7 @@ class Solo:
         argv += [sys.executable, "-S", COMMAND, "run", str(self.log), str(cid), *plan]
         if close:
             argv = ["sh", "-c", f'exec "$0" "$@" {close}', *argv]
-        self.runs[name] = self.procs.start(argv, stdout=subprocess.DEVNULL)
+        self.runs[name] = self.procs.start(argv, env=env, stdout=subprocess.DEVNULL)
         return self.runs[name]
 
     def started(self, name: str) -> Step:
@@ -1323,7 +1328,35 @@ def test_heartbeat_every_third_of_the_lease_keeps_it(backend: str, procs: Procs,
     solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "3"], ["hb=1", "lease=3", "hold=8"])
     codes, v = solo.finish()
     assert v.violations() == []
-    assert codes == {"a": 0}, "a COMMAND heartbeating every lease/3 lost its lease"
+    assert codes == {"a": 0}, f"a COMMAND heartbeating every lease/3 lost its lease; {_beats(solo)}"
+
+
+def _beats(solo: Solo) -> str:
+    """When COMMAND started and each heartbeat went out and came back, in s from its start: a
+    lost lease says whether a pearing-cli took longer than the lease's slack (a busy machine)."""
+    t0 = solo.watcher.steps[0].start_ns if solo.watcher.steps else solo.t0
+    return "beats " + ", ".join(f"{(a - t0) / 1e9:.2f}-{(b - t0) / 1e9:.2f}" for a, b in solo.watcher.beats)
+
+
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_a_manual_lease_counts_from_command_start_not_from_the_lock(
+    backend: str, procs: Procs, work: Path, env: dict[str, str]
+) -> None:
+    """Once failed on a busy CI: a 3 s manual lease ran from the moment the lock was taken, so
+    the wrapper's spawn of COMMAND and COMMAND's own start ate the slack its first heartbeat
+    had. Here the wrapper is frozen 2 s right before the spawn (a busy machine, exaggerated);
+    COMMAND heartbeats 1.5 s after its start: 3.5 s after the lock, inside its own first lease
+    period. SPEC 4: COMMAND heartbeats within every lease period, and the first is its own."""
+    solo = Solo(procs, work)
+    armed = dict(env, **{ENV_FAULT: "pause-command-spawn"})
+    a = solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "3"], ["hb=1.5", "lease=3", "hold=2"], env=armed)
+    wait_for(lambda: proc_state(a.pid) == "T", 15, "the wrapper to pause right before COMMAND's spawn")
+    time.sleep(2.0)  # the fault itself: frozen for two thirds of the lease
+    a.send_signal(signal.SIGCONT)
+    codes, v = solo.finish()
+    assert v.violations() == []
+    assert len(solo.watcher.beats) == 1, _beats(solo)
+    assert codes == {"a": 0}, f"the lease ran out before COMMAND's first heartbeat; {_beats(solo)}"
 
 
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
