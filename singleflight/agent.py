@@ -67,7 +67,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     backend = open_backend(url, lock_dir)
     lk = backend.lock(repo, lock, create=False)
     # From here on the ticket's liveness is ours (the CLI call may exit).
-    ticket = lk.adopt(ticket_id, os.getpid())
+    ticket = tickets.adopt(lk, ticket_id, os.getpid())
     if ticket is None:
         chan.send(protocol.Message(protocol.ENDED))
         return int(ExitCode.REFUSED)

@@ -17,7 +17,7 @@ The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
 
 A holder is forked with the grip (the lock dir: its flocked fd passes to the holder only
 that way), or, where a grip is data (etcd: ``grip_is_data`` in the scheme table), as the run starts
-to wait; it is then handed the grip (``Grip.handover``, ``LockOps.grip_from``) once the run is
+to wait; it is then handed the grip (``Grip.handover``, which ``LockOps.take`` takes as the grip) once the run is
 first, and no fork lies between the previous holder's release and COMMAND's start.
 """
 
@@ -68,7 +68,7 @@ class Grip(Protocol):
         """The holder is gone and COMMAND is dead: free the lock now."""
 
     def handover(self) -> dict[str, Any]:
-        """What a holder forked before this grip existed needs to take it over (``grip_from``).
+        """What a holder forked before this grip existed needs to take it over: ``take`` accepts it.
         Only asked where the scheme table says ``grip_is_data`` (a lock dir's grip is an fd: {})."""
 
 
@@ -134,9 +134,6 @@ class LockOps(Protocol):
     def close(self) -> None: ...
 
     # -- acquiring ---------------------------------------------------------------------------
-    def grip_from(self, info: dict[str, Any]) -> Any:
-        """In a holder forked as its run started to wait: the grip its run handed over."""
-
     def enter(self, ticket: Ticket) -> Place: ...
 
     # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
@@ -155,7 +152,8 @@ class LockOps(Protocol):
     def take(self, grip: Any, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[Lease, Taken]:
         """In the holder: issue the fence, mint the token, write the token file.
 
-        ``grip`` is the one this backend's ``Place`` returned (opaque to the runner).
+        ``grip`` is the one this backend's ``Place`` returned (opaque to the runner), or, in a
+        holder forked as its run started to wait, what that grip's ``handover`` described.
         """
 
     # -- the ticket, from any process ----------------------------------------------------------
@@ -164,9 +162,6 @@ class LockOps(Protocol):
         request already has (one ticket per request uuid, even when two arrive at once)."""
 
     def read(self, ticket_id: str) -> Ticket | None: ...
-
-    def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
-        """The agent ``pid`` now answers for this waiting ticket (None: it is no longer waiting)."""
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from singleflight.backend import open_backend
 from singleflight.core import fault, protocol
@@ -62,13 +62,14 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
         backend = open_backend(o.backend, o.lock_dir)
         lk = backend.lock(o.repo, o.job, create=False)
-        if grip is None:
+        held: Grip | dict[str, Any] | None = grip
+        if held is None:
             msg = chan.recv()
             if msg is None or msg.kind != protocol.GO:
                 return ExitCode.OK  # the run ended without the lock (timed out, busy, killed)
-            grip = lk.grip_from(msg.info)
+            held = msg.info  # what ``Grip.handover`` described: ``take`` takes it as the grip
         fault.pause("pause-holder-start")
-        lease, taken = lk.take(grip, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
+        lease, taken = lk.take(held, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))
         Holder(backend, lk, lease, cfg, chan).serve()
     except PearingError as exc:

@@ -43,7 +43,6 @@ from singleflight.etcd.client import (
     op_txn,
     parse_url,
     ranged,
-    revision,
 )
 from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lease import EtcdLease, margin_for
@@ -67,9 +66,6 @@ class EtcdLock(EtcdTickets):
         self._adopted: dict[str, dict[str, Any]] = {}
         self._agents: set[str] = set()  # tickets adopted by their agent (pearing-cli, MCP, Lock)
         self._minted: dict[str, str] = {}
-
-    def grip_from(self, info: dict[str, Any]) -> EtcdGrip:
-        return EtcdGrip.from_handover(self.cluster, info)
 
     def _lease_for(self, ticket: Ticket) -> int:
         return self.backend.lease_for(ticket)
@@ -135,10 +131,15 @@ class EtcdLock(EtcdTickets):
         assert isinstance(held, EtcdLease), "the lease this backend's take returned"
         return events.end_superseded(held, stands, keep, every)
 
-    def take(self, grip: EtcdGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[EtcdLease, Taken]:
+    def take(
+        self, grip: EtcdGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float
+    ) -> tuple[EtcdLease, Taken]:
         """The key is first in line and its token's hash is in it since it joined: nothing to
         write before COMMAND starts. The holder settles the rest (its lease, pid, deadline)
-        a moment later (``EtcdLease``)."""
+        a moment later (``EtcdLease``). A holder forked as its run started to wait is handed
+        the grip as data (``EtcdGrip.handover``)."""
+        if isinstance(grip, dict):
+            grip = EtcdGrip.from_handover(self.cluster, grip)
         ttl = ttl_of(ticket.lease_seconds)
         # A request timeout short enough that a dead member cannot hold the holder past its deadline.
         cluster = Cluster(self.backend.url, timeout=max(0.2, min(1.0, ttl / 10)))
@@ -218,26 +219,16 @@ class EtcdLock(EtcdTickets):
             return self._existing(rec.ticket_id if rec and rec.ticket_id else ticket.ticket_id)
         return ticket
 
-    def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
-        while True:
-            kv = self.mutex.find(ticket_id)
-            t = parse(kv["value"]) if kv is not None else None
-            if kv is None or t is None or not t.live:
-                return None
-            key = kv["key"]
-            sent = time.monotonic()
-            if self.cluster.keepalive(kv["lease"]) <= 0:
-                return None
-            t.holder_pid, t.holder_start, t.holder_host = pid, proc.start_time(pid), os.uname().nodename
-            self._mint(t)
-            body = records.value(t, kv["lease"])
-            # Compare-and-swap: the owner may heartbeat the waiting ticket meanwhile.
-            r = self.cluster.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], [])
-            if r.get("succeeded"):
-                self._adopted[ticket_id] = dict(kv, value=body, mod_revision=revision(r))
-                self._agents.add(ticket_id)
-                self._kept[ticket_id] = sent
-                return t
+    def _taking_over(self, t: Ticket) -> None:
+        """An agent adopting the ticket its CLI call created (``rules.tickets.adopt``): its token
+        is minted now, so its hash goes into the key with the agent's pid, as a joined one's does."""
+        self._mint(t)
+
+    def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
+        # ``enter`` finds the key here, on the holder's lease: the agent takes it where it stands.
+        self._adopted[t.ticket_id] = kv
+        self._agents.add(t.ticket_id)
+        self._kept[t.ticket_id] = kept_at
 
 
 # The tenant's keys that are not scopes (``PREFIX/activity/...``, ``PREFIX/ledger/...``).

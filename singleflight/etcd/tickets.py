@@ -18,7 +18,7 @@ from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records
-from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch
@@ -92,13 +92,18 @@ class EtcdTickets:
             t = parse(kv["value"])
             if t is None:
                 raise UnknownTicket(ticket_id)
+            was_mine = _is_me(t.holder_pid, t.holder_start)
             if not change(t) or not t.live:
                 return None
-            if t.state == WAITING and t.holder_host == os.uname().nodename and _is_me(t.holder_pid, t.holder_start):
-                # Not adopted yet: we created it and answer for it until its agent starts (a busy
-                # machine may start it late), so our heartbeat keeps its key too. Only ours:
-                # anyone else's heartbeat must not keep a dead waiter's key in line.
+            sent = time.monotonic()
+            mine = t.state == WAITING and t.holder_host == os.uname().nodename and _is_me(t.holder_pid, t.holder_start)
+            if mine:
+                # Ours: we created it and answer for it until its agent starts (a busy machine
+                # may start it late), or we are that agent; our heartbeat keeps its key too.
+                # Only ours: anyone else's heartbeat must not keep a dead waiter's key in line.
                 self.cluster.keepalive(kv["lease"])
+            if mine and not was_mine:
+                self._taking_over(t)
             body = records.value(
                 t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
             )
@@ -109,7 +114,16 @@ class EtcdTickets:
             except Refused:
                 raise NotHeld(ticket_id, EndReason.LEASE_EXPIRED) from None
             if r.get("succeeded"):
+                if mine and not was_mine:
+                    self._taken_over(t, dict(kv, value=body, mod_revision=revision(r)), sent)
                 return t
+
+    def _taking_over(self, t: Ticket) -> None:
+        """This process is about to answer for the waiting ticket ``t`` (an agent adopting the
+        ticket its CLI call created): what goes into its key with that write."""
+
+    def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
+        """... and now does: its key as written, and when its lease was last kept."""
 
     def poke(self, t: Ticket) -> None:
         """A holder on this host that has settled (its own pid recorded, its handler in place)

@@ -84,9 +84,6 @@ class LocalLock:
             del self.backend.open_stores[(self.repo, self.lock)]
         self.store.close()
 
-    def grip_from(self, info: dict[str, Any]) -> FlockGrip:
-        raise AssertionError("the lock dir forks its holder with the grip")
-
     # -- acquiring -------------------------------------------------------------------------
 
     def enter(self, ticket: Ticket) -> LocalPlace:
@@ -168,15 +165,6 @@ class LocalLock:
 
     def read(self, ticket_id: str) -> Ticket | None:
         return self.store.read_ticket(ticket_id)
-
-    def adopt(self, ticket_id: str, pid: int) -> Ticket | None:
-        with self.store.mutex():
-            t = self.store.read_ticket(ticket_id)
-            if t is None or t.state != WAITING:
-                return None
-            t.holder_pid, t.holder_start = pid, proc.start_time(pid)
-            self.store.write_ticket(t)
-            return t
 
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True

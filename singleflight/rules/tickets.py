@@ -8,9 +8,11 @@ this host still keeps its lock, and stops a ticket's process (``LockOps.stop``).
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from singleflight.core import proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
@@ -89,6 +91,24 @@ def heartbeat(lk: LockOps, ticket_id: str, seconds: float) -> Ticket:
         # it look now, or the lock would outlive the lease.
         lk.poke(t)
     return lk.read(ticket_id) or t  # its state and fence as they stand
+
+
+def adopt(lk: LockOps, ticket_id: str, pid: int) -> Ticket | None:
+    """The agent ``pid`` (on this host) answers for this waiting ticket from now on: its pid in
+    the ticket, by compare-and-set. None when it is no longer waiting (released, promoted for
+    somebody else, lapsed) or gone."""
+    start, host = proc.start_time(pid), os.uname().nodename
+
+    def take_over(t: Ticket) -> bool:
+        if t.state != WAITING:
+            return False
+        t.holder_pid, t.holder_start, t.holder_host = pid, start, host
+        return True
+
+    try:
+        return lk.update(ticket_id, take_over)
+    except (UnknownTicket, NotHeld):
+        return None
 
 
 def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
