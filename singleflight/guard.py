@@ -66,10 +66,6 @@ def guarded(
         yield held
 
 
-def default_ledger(lock_dir: str | None = None) -> str:
-    return os.path.join(resolve_lock_dir(lock_dir), "ledger.json")
-
-
 def accept_fence(
     resource: str, fence: int, ledger: str | None = None, *, backend: str | None = None, lock_dir: str | None = None
 ) -> int:

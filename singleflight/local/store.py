@@ -311,9 +311,6 @@ class LockStore:
         # Durable: a finished run's record must survive a crash, or a replay reruns it.
         self.sub("requests").write_atomic(f"{request_uuid}.json", record.to_json(), durable=True)
 
-    def remove_request(self, request_uuid: str) -> None:
-        self.sub("requests").unlink(f"{request_uuid}.json")
-
     def prune_requests(self, now: float) -> int:
         d = self.sub("requests")
         removed = 0
