@@ -15,6 +15,11 @@ Kinds:
 - ``hello``, ``{}``, ``[]``, ``{"header": {}}``: answers every request with HTTP 200 and that
   body (kept alive, Content-Length): a wrong port, something that is not etcd.
 - ``proxy-502``: answers HTTP 502 with a proxy's HTML page, several lines long.
+- ``not-capable``, ``behind``: answer HTTP 400 with the gateway's error body of an etcd member
+  that cannot serve yet (gRPC 9, ``etcdserver: not capable``) or is behind the revision asked
+  (gRPC 11, a future revision): codes that otherwise say the request itself is refused.
+- ``lease-not-found``: HTTP 404, gRPC 5 ``etcdserver: requested lease not found``: a genuine
+  refusal, the same on every member.
 
 Threads, one per listener and one per connection, all daemons: nothing here outlives
 ``stop()`` (or, at worst, the test session), and no connection lasts longer than LIFETIME.
@@ -32,7 +37,18 @@ LIFETIME = 120.0  # a ceiling on any one connection, whatever the client does
 _PAGE = b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>nginx</body>\r\n</html>\r\n"
 ANSWERS = {body: (200, body.encode()) for body in ("hello", "{}", "[]", '{"header": {}}')}
 ANSWERS["proxy-502"] = (502, _PAGE)
+
+
+def _grpc_error(code: int, message: str) -> bytes:
+    """The body of etcd's grpc-gateway for a unary call that failed with ``code``."""
+    return b'{"error": "%s", "code": %d, "message": "%s"}' % (message.encode(), code, message.encode())
+
+
+ANSWERS["not-capable"] = (400, _grpc_error(9, "etcdserver: not capable"))
+ANSWERS["behind"] = (400, _grpc_error(11, "etcdserver: mvcc: required revision is a future revision"))
+# Hostile kinds, each a member that failed. Not the genuine refusal: it answers for the cluster.
 KINDS = ("drip", *ANSWERS)
+ANSWERS["lease-not-found"] = (404, _grpc_error(5, "etcdserver: requested lease not found"))
 
 
 class HostilePeer:
@@ -45,9 +61,9 @@ class HostilePeer:
         self.connections = 0  # accepted so far, over every listener
 
     def start(self, kind: str) -> int:
-        """A new listener of ``kind`` (see KINDS); its port."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown hostile peer kind {kind!r}: one of {KINDS}")
+        """A new listener of ``kind`` (see KINDS, or ``lease-not-found``); its port."""
+        if kind not in KINDS and kind not in ANSWERS:
+            raise ValueError(f"unknown hostile peer kind {kind!r}: one of {KINDS} or lease-not-found")
         sock = socket.create_server(("127.0.0.1", 0))
         self._listeners.append(sock)
         self._spawn(self._accept, sock, kind)

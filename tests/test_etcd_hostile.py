@@ -6,6 +6,9 @@
 - A peer that answers HTTP 200 with something that is not etcd's (``hello``, ``{}``, ``[]``,
   a header without a revision) is a member that failed, never an internal error (70); a
   proxy's error page of several lines is still one line in the error.
+- A member that answers etcd's error for a member that cannot serve yet or is behind
+  (``not capable``, a future revision: gRPC codes that otherwise refuse the request) is a
+  member that failed too; a genuine refusal (a lease that is gone) stands, on the first member.
 - A fence ledger key whose value is not a fence is a corrupt record (74) naming the key,
   and is left as it is.
 """
@@ -13,14 +16,16 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 from etcd_cluster import Cluster as EtcdCluster
-from helpers import PEARING_CLI, PEARING_GUARD, Procs
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, wait_for
 from hostile_peer import KINDS, HostilePeer
 
 from singleflight.core.const import ENV_BACKEND, MAX_FENCE, ExitCode
-from singleflight.etcd.client import Cluster
+from singleflight.etcd.client import Cluster, Refused
+from singleflight.etcd.lock import Mutex
 
 pytestmark = pytest.mark.etcd
 
@@ -88,13 +93,58 @@ def test_a_fence_through_a_hostile_member(kind: str, peer: HostilePeer, procs: P
     assert r.elapsed < BOUND, r
 
 
-@pytest.mark.parametrize("kind", ["drip", "{}"])
+@pytest.mark.parametrize("kind", ["drip", "{}", "not-capable", "behind"])
 def test_a_run_through_a_hostile_member_first(kind: str, peer: HostilePeer, procs: Procs, etcd: EtcdCluster) -> None:
     """pearing-run, its holder and its release all pass the hostile member over."""
     _, first = urls(peer.start(kind), etcd)
     r = procs.pr_run("--backend", first, "--job", "j", "--", "sh", "-c", "echo ran", timeout=30)
     assert r.returncode == 0, r
     assert r.stdout == b"ran\n", r
+
+
+@pytest.mark.parametrize("kind", ["not-capable", "behind"])
+def test_a_wait_through_a_member_that_cannot_serve_yet(
+    kind: str, peer: HostilePeer, procs: Procs, work: Path, etcd: EtcdCluster
+) -> None:
+    """The member every process asks first answers as an etcd member still starting ("not
+    capable") or behind the leader: the waiter's keepalives, reads and watch pass it over all
+    through its wait, and it runs once the holder ends. Its answer, read as a refusal of the
+    request, made the first run exit 70 ("internal error") at its first request."""
+    _, first = urls(peer.start(kind), etcd)
+    procs.env[ENV_BACKEND] = first
+    gate = Gate(work)
+    holder = procs.pr("--job", "j", "--", "sh", "-c", gate.script())
+    gate.wait_ready(timeout=30)
+    waiter = procs.pr("--job", "j", "--wait-seconds", "60", "--lease-seconds", "3", "--", "true")
+    line = Mutex(Cluster(first), "default", "j")
+    wait_for(lambda: len(line.queue()[0]) >= 2, 30, "the waiter in line")
+    line.cluster.close()
+    assert waiter.poll() is None, procs.finish(waiter)
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    w = procs.finish(waiter, timeout=60)
+    assert w.returncode == 0, w
+    assert peer.connections >= 2  # both runs asked it, and passed it over
+
+
+@pytest.mark.parametrize("kind", ["not-capable", "behind"])
+def test_a_member_that_cannot_serve_yet_is_passed_over(kind: str, peer: HostilePeer, etcd: EtcdCluster) -> None:
+    _, first = urls(peer.start(kind), etcd)
+    client = Cluster(first)
+    lease = client.grant(5)
+    assert lease > 0 and client.current == 1  # the answer of the member after it
+    client.close()
+
+
+def test_a_genuine_refusal_stands_on_the_first_member(peer: HostilePeer, etcd: EtcdCluster) -> None:
+    """A lease that is gone is gone on every member: refused, the next member not asked."""
+    _, first = urls(peer.start("lease-not-found"), etcd)
+    client = Cluster(first)
+    with pytest.raises(Refused) as refused:
+        client.ttl(0x1234)
+    client.close()
+    assert refused.value.code == 5 and "lease not found" in str(refused.value)
+    assert client.current == 0
 
 
 # -- corrupt ledger values ---------------------------------------------------------------------

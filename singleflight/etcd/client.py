@@ -85,6 +85,18 @@ class Refused(Exception):
 # gRPC codes that describe the request, not the member: asking another member changes nothing.
 _NOT_FOUND, _INVALID, _FAILED_PRECONDITION, _OUT_OF_RANGE = 5, 3, 9, 11
 _REQUEST_CODES = frozenset({_NOT_FOUND, _INVALID, _FAILED_PRECONDITION, _OUT_OF_RANGE})
+# etcd's answers of those codes that describe the member, not the request (its words,
+# api/v3rpc/rpctypes/error.go): it cannot serve it yet (starting, before it knows the cluster's
+# version), or at all (a learner), or is behind the revision asked. Another member may: a member
+# that failed, as one that lost its leader. Raised as a Refused, one went past every caller that
+# is ready for an unreachable cluster only (a waiter's keepalive, a holder's renewal): exit 70.
+_MEMBER_STATES = frozenset(
+    {
+        "etcdserver: not capable",
+        "etcdserver: rpc not supported for learner",
+        "etcdserver: mvcc: required revision is a future revision",
+    }
+)
 
 
 def _refusal(detail: str | None) -> Refused | None:
@@ -93,7 +105,8 @@ def _refusal(detail: str | None) -> Refused | None:
         code = int(body.get("code", -1))
     except (ValueError, TypeError, AttributeError, RecursionError):
         return None
-    return Refused(code, str(body.get("message") or body.get("error") or "")) if code in _REQUEST_CODES else None
+    message = str(body.get("message") or body.get("error") or "")
+    return Refused(code, message) if code in _REQUEST_CODES and message not in _MEMBER_STATES else None
 
 
 class NotEtcd(Exception):
@@ -241,7 +254,8 @@ class Cluster:
             if refused is not None:
                 self.current = k
                 raise refused
-            # A member that lost quorum (or its leader) answers with an error: try the next one.
+            # A member that lost quorum (or its leader), or cannot serve yet, answers with an error:
+            # try the next one.
             errors.append(f"{where}: {_shown(text)}")
         raise BackendUnavailable(self.url, "; ".join(errors))
 
