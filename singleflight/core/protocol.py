@@ -168,8 +168,13 @@ class Channel:
         """False when the peer is gone (EPIPE); the caller decides what that means."""
         if self.wfd < 0:
             return False
+        data = memoryview(msg.encode().encode() + b"\n")
         try:
-            os.write(self.wfd, msg.encode().encode() + b"\n")
+            # One line is one message: a write that a signal cut short is finished, never left
+            # torn (a torn line decodes as a garbled message, 70). Lines under PIPE_BUF are
+            # written whole anyway; a larger one (a long environment) may not be.
+            while data:
+                data = data[os.write(self.wfd, data) :]
         except OSError:
             self.close_write()
             return False
