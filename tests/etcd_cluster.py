@@ -138,15 +138,12 @@ class Cluster:
         self.wait_healthy()
 
     def stop(self) -> None:
+        """Every member killed: its data dir is thrown away, so nothing is lost, and a graceful
+        stop (SIGTERM) of the last members took about 6 s at the end of every test worker."""
         for m in self.members:
             if m.proc is not None and m.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(m.proc.pid, signal.SIGCONT)
-                m.proc.terminate()
+                    m.proc.kill()
         for m in self.members:
             if m.proc is not None:
-                try:
-                    m.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    m.proc.kill()
-                    m.proc.wait()
+                m.proc.wait()
