@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import memory
+
 BIN = Path(sys.executable).parent
 PY = sys.executable
 RUN = str(BIN / "pearing-run")
@@ -430,6 +432,7 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
+    lines += memory.table(r["memory"])
     return "\n".join(lines) + "\n"
 
 
@@ -449,6 +452,7 @@ def main() -> int:
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
             "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
+            "memory": memory.memory(tmp, 3 if q else 10, _env(tmp / "memory")),
         }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,10 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    assert {"startup", "handover", "waiters", "expiry", "many_locks"} <= set(result)
+    assert {"startup", "handover", "waiters", "expiry", "many_locks", "memory"} <= set(result)
+    mem = result["memory"]
+    # A held lock's pearing processes map at least an interpreter's worth of pages of their own.
+    assert mem["locks"] == 3 and 1.0 < mem["pearing-run"]["pss_mib_per_lock"] < 100, mem
     assert result["handover"]["fifo_kept"] and result["waiters"]["fifo_kept"]
     assert result["expiry"]["token_refused_in_term_trap"] == "3/3"
     assert result["many_locks"]["status_listed"] == 200
