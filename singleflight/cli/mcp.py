@@ -18,12 +18,12 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from singleflight import __version__, guard, ops
 from singleflight.backend import Backend, backend_url, open_backend
-from singleflight.cli import mcp_threads
+from singleflight.cli import mcp_errors, mcp_progress, mcp_threads
 from singleflight.cli._argv import Option, parse, usage
 from singleflight.cli.mcp_tools import DESCRIPTIONS, HINTS, closed_tool
 from singleflight.core import identity, names, schemes
@@ -37,7 +37,7 @@ from singleflight.core.const import (
     MIN_LEASE_SECONDS,
     ExitCode,
 )
-from singleflight.core.errors import BadValue, PearingError, UsageError
+from singleflight.core.errors import PearingError, UsageError
 from singleflight.core.fs import resolve_lock_dir
 from singleflight.core.log import Log
 
@@ -53,8 +53,6 @@ OPTIONS = [
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
 ]
-MAX_PATH = 4096  # PATH_MAX on Linux
-
 _T = TypeVar("_T")
 
 
@@ -97,7 +95,7 @@ class Ops:
         stopped: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         """``stopped``: the call was cancelled (its client gone): stop waiting at once."""
-        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
         uuid = names.request_uuid(request_uuid, "request_uuid")
         lease = names.lease_seconds(lease_seconds, "lease_seconds")
         wait = names.seconds(wait_seconds, "wait_seconds")
@@ -123,16 +121,16 @@ class Ops:
         return out.ticket
 
     def get(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
         return self._call(lambda b: ops.get(b, lock, scope, ticket_id))
 
     def heartbeat(self, repo: str, lock_name: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
         lease = names.lease_seconds(lease_seconds, "lease_seconds")
         return self._call(lambda b: ops.heartbeat(b, lock, scope, ticket_id, lease))
 
     def release(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name), names.scope(repo)
+        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
         return self._call(lambda b: ops.release(b, lock, scope, ticket_id))
 
     def update_activity(self, activity: str | None, clear: bool) -> dict[str, Any]:
@@ -143,13 +141,12 @@ class Ops:
         return self._call(lambda b: ops.update_activity(b, self.identity, activity))
 
     def status(self, repo: str, lock_name: str | None) -> list[dict[str, Any]]:
-        scope = names.scope(repo)
-        lock = None if lock_name is None else names.lock_name(lock_name)
+        scope = names.scope(repo, "repo")
+        lock = None if lock_name is None else names.lock_name(lock_name, "lock_name")
         return self._call(lambda b: ops.status(b, scope, lock))
 
     def verify(self, token_file: str) -> dict[str, Any]:
-        if not token_file or "\0" in token_file:
-            raise BadValue("token_file", token_file, "must be the path of a token file")
+        mcp_errors.token_file(token_file)
         # Only the path given counts: never a token from the server's own environment.
         return guard.verify(token_file, env={ENV_LOCK_DIR: self.lock_dir}).as_dict()
 
@@ -157,7 +154,7 @@ class Ops:
 def build_server(ops: Ops) -> "MCPServer[Any]":
     import anyio
     import anyio.to_thread
-    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver import Context, MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
     from mcp.types import CallToolResult, TextContent
     from pydantic import Field, Strict
@@ -171,10 +168,13 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             # A ToolError is the SDK's anticipated failure: is_error=True with this text.
             raise ToolError(str(exc)) from exc
 
-    async def run_stoppable(work: Callable[..., _T], *args: Any) -> _T:
+    async def run_stoppable(
+        work: Callable[..., _T], *args: Any, beside: Callable[[], Coroutine[Any, Any, None]] | None = None
+    ) -> _T:
         # The SDK cancels the calls in flight when the client goes (EOF on stdin), but a worker
         # thread cannot be: the server stayed up, waiting for a gone client. The thread is told
         # and returns; the server exits, and the ticket's agent, seeing it go, leaves the line.
+        # ``beside`` (progress) runs while the thread works and is cancelled once it returns.
         stop = threading.Event()
         done: list[_T | PearingError] = []
 
@@ -186,6 +186,8 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(on_cancel)
+            if beside is not None:
+                tg.start_soon(beside)
             try:
                 done.append(await anyio.to_thread.run_sync(functools.partial(work, *args, stopped=stop.is_set)))
             except PearingError as exc:
@@ -256,8 +258,14 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
                 description="Wait in line up to this many seconds; 0 returns at once.",
             ),
         ] = 0.0,
+        ctx: Context,
     ) -> dict[str, Any]:
-        return await run_stoppable(ops.acquire, repo, lock_name, request_uuid, lease_seconds, wait_seconds)
+        beside = None
+        if wait_seconds > 0 and mcp_progress.asked(ctx):
+            where = functools.partial(mcp_progress.place, ops._call, repo, lock_name, request_uuid)
+            beside = functools.partial(mcp_progress.report, ctx.report_progress, where, wait_seconds)
+        args = (repo, lock_name, request_uuid, lease_seconds, wait_seconds)
+        return await run_stoppable(ops.acquire, *args, beside=beside)
 
     async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
         return await run(ops.get, repo, lock_name, ticket_id)
@@ -308,7 +316,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             Strict(),
             Field(
                 min_length=1,
-                max_length=MAX_PATH,
+                max_length=mcp_errors.MAX_PATH,
                 description="Path of the token file (token_file of a held ticket).",
             ),
         ],

@@ -1,8 +1,9 @@
 """What pearing-mcp's tools say of themselves (descriptions, annotations), and the SDK glue it
-needs beyond the SDK's own: tools that refuse unknown arguments."""
+needs beyond the SDK's own: tools that refuse unknown arguments, in one sentence."""
 
 # No ``from __future__ import annotations``: see cli/mcp.py.
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +63,6 @@ def closed_tool(fn: Callable[..., Any], description: str, hints: tuple[bool, boo
     """
     import types
 
-    from mcp.server.mcpserver.tools import Tool
     from mcp.types import ToolAnnotations
     from pydantic import BaseModel, ConfigDict
 
@@ -70,10 +70,41 @@ def closed_tool(fn: Callable[..., Any], description: str, hints: tuple[bool, boo
     annotations = ToolAnnotations(
         read_only_hint=read_only, destructive_hint=destructive, idempotent_hint=idempotent, open_world_hint=False
     )
-    tool = Tool.from_function(fn, description=description, annotations=annotations)
+    tool = _plain_spoken().from_function(fn, description=description, annotations=annotations)
     loose = tool.fn_metadata.arg_model
     closed: type[BaseModel] = types.new_class(
         loose.__name__, (loose,), exec_body=lambda ns: ns.update(model_config=ConfigDict(extra="forbid"))
     )
     metadata = tool.fn_metadata.model_copy(update={"arg_model": closed})
     return tool.model_copy(update={"fn_metadata": metadata, "parameters": closed.model_json_schema(by_alias=True)})
+
+
+@functools.cache
+def _plain_spoken() -> "type[Tool]":
+    """The SDK's Tool, saying a call its input schema refused in one sentence (cli/mcp_errors.py).
+
+    ``Tool.run`` reports such a call as a ToolError whose text is pydantic's dump (several
+    lines, a link per error) and whose cause is the ValidationError; no option changes that
+    text. Only that case is reworded, under the SDK's own "Error executing tool NAME: " that
+    starts every other tool error too; the cause stays the ValidationError, so the SDK still
+    logs only the names of the fields refused. A failure of the tool itself is left as it is.
+    """
+    from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+    from mcp.server.mcpserver.tools import Tool
+    from pydantic import ValidationError
+
+    from singleflight.cli import mcp_errors
+
+    class PlainSpokenTool(Tool):
+        async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
+            try:
+                return await super().run(arguments, context, convert_result)
+            except ToolError as exc:
+                cause = exc.__cause__
+                if isinstance(exc, UnexpectedToolError) or not isinstance(cause, ValidationError):
+                    raise
+                takes = list(self.parameters.get("properties", {}))
+                said = mcp_errors.sentence(self.name, arguments, cause.errors(include_url=False), takes)
+                raise ToolError(f"Error executing tool {self.name}: {said}") from cause
+
+    return PlainSpokenTool
