@@ -2,14 +2,17 @@
 ``pearing-mcp`` or ``Lock``. It is pearing-run without a COMMAND: the same acquire
 path (``acquire.acquire``), the same holder.
 
-    python -m singleflight.agent BACKEND LOCK_DIR REPO LOCK TICKET REPORT_FD [CONTROL_FD auto|manual|wait]
+    python -m singleflight.agent 'start {"backend": ..., "ticket": ..., "report_fd": N, ...}'
+
+(its one argument is the ``start`` message of ``core/protocol.py``: where its ticket is, which
+of its fds are its pipes, its mode.)
 
 It waits in the FIFO line while its owner heartbeats the waiting ticket, takes
 the lock, then keeps the lease until release, lease expiry without heartbeat,
-or the kill of its process. It reports on REPORT_FD (``queued``, ``ready``,
+or the kill of its process. It reports on its report fd (``queued``, ``ready``,
 ``ended``, ``lost``, ``released``, ``error``); the owner may be long gone.
 
-An owner that gives CONTROL_FD answers for the ticket while it lives: when every
+An owner that gives a control fd answers for the ticket while it lives: when every
 copy of its end is closed (it died, was interrupted, its MCP client went away)
 the agent leaves the line within a second, and never takes the lock for nobody.
 A ``Lock`` (``auto``/``manual``) sends ``started PID STAMP`` when its block begins
@@ -38,13 +41,20 @@ from singleflight.core.reasons import EndReason
 from singleflight.holder import Holder, HolderConfig
 from singleflight.rules import tickets
 
-# CONTROL_FD's mode that answers only while waiting (ops.CONTROL_WAIT; not imported: the
-# agent starts on every acquire-lock, and ops brings subprocess along).
+# The control mode that answers only while waiting (ops.CONTROL_WAIT; not imported: the agent
+# starts on every acquire-lock, and ops brings subprocess along).
 _WAIT_ONLY = "wait"
 
 
 def main(argv: list[str]) -> int:
-    url, lock_dir, repo, lock, ticket_id, report_fd, *control = argv
+    try:
+        if len(argv) != 1:
+            raise ValueError(f"one argument, a start message, not {len(argv)}")
+        start = protocol.AgentStart.from_word(argv[0])
+    except ValueError as exc:
+        # Only ops starts an agent: this is a bug, or someone running it by hand.
+        sys.stderr.write(f"singleflight.agent: error: {exc}\n")
+        return int(ExitCode.USAGE)
     # Daemonise: the caller reaps our parent (once it has heard us out), so a long-lived caller
     # (pearing-mcp) collects no zombies; init reaps us when the lease ends.
     fault.pause("pause-agent-start")  # a machine too busy to start us for a whole lease
@@ -52,10 +62,10 @@ def main(argv: list[str]) -> int:
         os._exit(0)
     ensure_std_fds()
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    chan = Channel(int(control[0]) if control else -1, int(report_fd))
-    mode = control[1] if len(control) > 1 else None
+    chan = Channel(start.control_fd, start.report_fd)
+    where = (start.repo, start.lock, start.ticket)
     try:
-        return _agent(chan, url, lock_dir, (repo, lock, ticket_id), mode=mode)
+        return _agent(chan, start.backend, start.lock_dir, where, mode=start.mode)
     except PearingError as exc:
         # A corrupt record or a planted symlink: the owner exits with this code and line.
         chan.send(protocol.error(exc.exit_code, str(exc)))
@@ -120,7 +130,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
 
 
 class _Owner:
-    """Watches the owner's end of CONTROL_FD while the ticket waits, in a thread of its own:
+    """Watches the owner's end of the control pipe while the ticket waits, in a thread of its own:
     the main thread is blocked in the backend's wait. When every copy of that end is closed
     the owner is gone, and its ticket leaves the line through the backend's own ``stop``
     (the path of a release of a waiting ticket: its record ends, the wait wakes)."""

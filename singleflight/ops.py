@@ -201,13 +201,21 @@ def _start_agent(
 ) -> tuple[Outcome, Channel | None]:
     r, w = os.pipe()
     fds = [w]
-    argv = [sys.executable, "-m", "singleflight.agent", backend.url, backend.lock_dir, t.repo, t.lock_name]
-    argv += [t.ticket_id, str(w)]
     ctl_r = ctl_w = -1
     if control is not None:
         ctl_r, ctl_w = os.pipe()
         fds.append(ctl_r)
-        argv += [str(ctl_r), control]
+    start = protocol.AgentStart(
+        backend=backend.url,
+        lock_dir=backend.lock_dir,
+        repo=t.repo,
+        lock=t.lock_name,
+        ticket=t.ticket_id,
+        report_fd=w,
+        control_fd=ctl_r,
+        mode=control,
+    )
+    argv = [sys.executable, "-m", "singleflight.agent", start.message().encode()]
     chan = Channel(r, ctl_w)
     _channels.add(chan)
     try:

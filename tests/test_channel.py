@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+
+import pytest
 
 from singleflight.core import protocol
 from singleflight.core.const import ExitCode
@@ -52,3 +56,25 @@ def test_a_message_larger_than_the_pipe_arrives_whole_through_signals() -> None:
     assert lines[-1] == b"" and len(lines) == 2, [len(x) for x in lines]
     msg = protocol.decode(lines[0].decode())
     assert msg.kind == protocol.ERROR and msg.text == text
+
+
+def test_an_agents_start_message_round_trips_and_bad_ones_are_refused() -> None:
+    start = protocol.AgentStart(backend="local", lock_dir="/tmp/ld", repo="a/b", lock="j", ticket="t-1", report_fd=7)
+    word = start.message().encode()
+    back = protocol.AgentStart.from_word(word)
+    assert [getattr(back, n) for n in back.__slots__] == [getattr(start, n) for n in start.__slots__]
+    for bad in ("", "go {}", 'start {"backend": "local"}', word.replace('"report_fd": 7', '"report_fd": true')):
+        try:
+            protocol.AgentStart.from_word(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad!r}")
+
+
+@pytest.mark.parametrize("argv", [[], ["local", "/tmp", "default", "j", "t", "5"], ["start {not json"]])
+def test_the_agent_started_by_hand_says_what_it_needs_and_exits_64(argv: list[str]) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "singleflight.agent", *argv], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert r.returncode == ExitCode.USAGE, r
+    assert r.stderr.startswith("singleflight.agent: error: ") and r.stderr.count("\n") == 1, r

@@ -17,6 +17,10 @@ streams that report EOF when the peer dies.
                                                 TICKS: now, on the clock of /proc's start times
                       started PID STAMP         COMMAND (or the Lock's process) runs
                       exited STATUS|unknown     it ended: record, release, hand over
+    owner -> agent    start {json}              its one argv word (``python -m singleflight.agent``):
+                                                backend, lock_dir, repo, lock, ticket, report_fd,
+                                                control_fd (-1: none), mode (auto, manual, wait;
+                                                null without control_fd)
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ STARTED = "started"
 EXITED = "exited"
 GO = "go"
 SPAWNING = "spawning"
+START = "start"
 
 
 class Message:
@@ -62,7 +67,7 @@ class Message:
 
     def encode(self) -> str:
         k = self.kind
-        if k in (READY, GO):
+        if k in (READY, GO, START):
             return f"{k} {json.dumps(self.info)}"
         if k == LOST:
             assert self.loss is not None
@@ -100,6 +105,50 @@ class Taken:
         )
 
 
+class AgentStart:
+    """Where an agent's ticket is and which of its fds are its pipes: the ``start`` message."""
+
+    __slots__ = ("backend", "control_fd", "lock", "lock_dir", "mode", "repo", "report_fd", "ticket")
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        lock_dir: str,
+        repo: str,
+        lock: str,
+        ticket: str,
+        report_fd: int,
+        control_fd: int = -1,
+        mode: str | None = None,
+    ) -> None:
+        self.backend, self.lock_dir, self.repo, self.lock, self.ticket = backend, lock_dir, repo, lock, ticket
+        self.report_fd, self.control_fd, self.mode = report_fd, control_fd, mode
+
+    def message(self) -> Message:
+        return Message(START, info={name: getattr(self, name) for name in self.__slots__})
+
+    @classmethod
+    def from_word(cls, word: str) -> AgentStart:
+        """The ``start`` message of an agent's argv; ValueError naming what is wrong."""
+        msg = decode(word)
+        if msg.kind != START:
+            raise ValueError(f"not a start message: {word[:80]!r}")
+        info = msg.info
+        strings = ("backend", "lock_dir", "repo", "lock", "ticket")
+        if not all(isinstance(info.get(k), str) for k in strings):
+            raise ValueError(f"start needs {', '.join(strings)} as strings")
+        report, control = info.get("report_fd"), info.get("control_fd", -1)
+        fds = [fd for fd in (report, control) if isinstance(fd, int) and not isinstance(fd, bool) and fd >= -1]
+        if len(fds) != 2:
+            raise ValueError("start needs report_fd and control_fd as fd numbers")
+        mode = info.get("mode")
+        if mode not in (None, "auto", "manual", "wait"):
+            raise ValueError(f"start's mode is auto, manual, wait or null, not {mode!r}")
+        b, d, r, lk, t = (str(info[k]) for k in strings)
+        return cls(backend=b, lock_dir=d, repo=r, lock=lk, ticket=t, report_fd=fds[0], control_fd=fds[1], mode=mode)
+
+
 def ready(taken: Taken) -> Message:
     info = {"fence": taken.fence, "token": taken.token, "token_file": taken.token_file, "env": taken.env}
     return Message(READY, info=info)
@@ -133,7 +182,7 @@ def decode(line: str) -> Message:
     """The message of one line; an unknown or garbled line is an ERROR (a bug), never a crash."""
     word, _, rest = line.partition(" ")
     try:
-        if word in (READY, GO):
+        if word in (READY, GO, START):
             info = json.loads(rest)
             if not isinstance(info, dict):
                 raise ValueError(rest)
