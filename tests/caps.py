@@ -33,7 +33,7 @@ class Caps:
     # may wake still holding it.
     wrapper_renews_lease: bool
     # The holder lets go a margin before the store would expire its lease: within a short lease
-    # that margin covers only a small kill grace (README: lease >= 3 x (grace + 1)).
+    # that margin covers only a small kill grace (docs/backends.md: lease >= 3 x (grace + 1)).
     holder_gives_up_early: bool
     # The shortest lease, in seconds, the store keeps as asked (etcd counts whole seconds, at least 2).
     shortest_lease: float

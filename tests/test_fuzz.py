@@ -48,7 +48,7 @@ CLEAN_EXITS = {0, int(ExitCode.REFUSED), int(ExitCode.BUSY)}
 NAMED_EXITS = {int(ExitCode.CANTCREAT), int(ExitCode.IOERR), int(ExitCode.NOPERM)}
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-# Every path the tool may create in a lock dir (README "Where state lives").
+# Every path the tool may create in a lock dir (docs/state.md, "Where state lives").
 LAYOUT = re.compile(
     rf"""^(
         locks | locks/default | {LOCK}

@@ -369,11 +369,12 @@ def test_a_file_with_the_old_job_and_repo_labels_keeps_its_counters(mdir: Path) 
     assert 'job="' not in (mdir / file_name(REPO, JOB)).read_text().replace("pearing_job=", "")
 
 
-def test_the_readme_alert_selects_the_series_a_scrape_gets(mdir: Path) -> None:
-    """The README's alert, ``...{pearing_job="checkin"}``, against the textfile as a scrape
-    parses it (prometheus_client): the label it names is there, with the job's name."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    alert = next(line for line in readme.splitlines() if "expr:" in line and "last_success" in line)
+def test_the_documented_alert_selects_the_series_a_scrape_gets(mdir: Path) -> None:
+    """The alert in docs/schedules-and-metrics.md (moved there from the README),
+    ``...{pearing_job="checkin"}``, against the textfile as a scrape parses it
+    (prometheus_client): the label it names is there, with the job's name."""
+    page = (Path(__file__).parents[1] / "docs/schedules-and-metrics.md").read_text()
+    alert = next(line for line in page.splitlines() if "expr:" in line and "last_success" in line)
     selector = alert.split("{", 1)[1].split("}", 1)[0]
     key, _, value = selector.partition("=")
     record(str(mdir), "default", "checkin", "start", now=1.0)

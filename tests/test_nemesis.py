@@ -496,7 +496,7 @@ class Nemesis:
         self.rng_target = random.Random(f"{seed}/target")
         self.leases = [x for x in (1.0, 1.5, 2.0, 3.0) if x >= self.caps.shortest_lease]
         # On etcd the holder gives up a margin before the cluster expires the lease; within
-        # short leases that margin only covers a small grace (README: lease >= 3 x (grace + 1)).
+        # short leases that margin only covers a small grace (docs/backends.md: lease >= 3 x (grace + 1)).
         self.graces = [0.0, 0.1, 0.2] if self.caps.holder_gives_up_early else [0.2, 0.5, 0.8, 1.2]
         # How long the lock may stay out of reach after a fault: lease + kill grace + 1 s, and at
         # least the time a killed waiter may still block the line (on etcd the SPEC's 5 s: its key
@@ -1306,7 +1306,7 @@ def test_lost_lease_keeps_the_lock_until_command_is_dead(
 ) -> None:
     """Once failed: on etcd the holder's lose() calls EtcdLease.end() first, which revokes the
     lease: the next waiter is promoted before COMMAND gets SIGTERM. SPEC 5: token dead, then
-    TERM/KILL, then the lock released (lease 6 s >= 3 x (grace 0.5 + 1 s), inside the README's
+    TERM/KILL, then the lock released (lease 6 s >= 3 x (grace 0.5 + 1 s), inside docs/backends.md's
     envelope)."""
     solo = Solo(procs, work)
     flags = ["--heartbeat", "manual", "--lease-seconds", "6", "--kill-grace", "0.5"]

@@ -32,8 +32,12 @@ README = (ROOT / "README.md").read_text()
 # -- systemd and cron --------------------------------------------------------------------
 
 
+SYSTEMD = ROOT / "contrib/systemd"
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_systemd_units_verify_clean(tmp_path: Path) -> None:
+@pytest.mark.parametrize("unit", ["pearing-run", "pearing-run-fleet"])
+def test_systemd_units_verify_clean(unit: str, tmp_path: Path) -> None:
     """The shipped units pass systemd-analyze verify once their paths point at an install."""
     job = tmp_path / "jobs" / "checkin"
     job.parent.mkdir()
@@ -41,21 +45,25 @@ def test_systemd_units_verify_clean(tmp_path: Path) -> None:
     job.chmod(0o755)
     units = tmp_path / "units"
     units.mkdir()
-    for name in ("pearing-run@.service", "pearing-run@.timer"):
-        text = (ROOT / "contrib/systemd" / name).read_text()
+    for name in (f"{unit}@.service", f"{unit}@.timer"):
+        text = (SYSTEMD / name).read_text()
         text = text.replace("/usr/local/bin/pearing-run", PEARING_RUN)
         text = text.replace("/usr/local/lib/pearing/jobs", str(job.parent))
         (units / name).write_text(text)
-    service = (units / "pearing-run@.service").read_text()
+    service = (units / f"{unit}@.service").read_text()
     assert "SuccessExitStatus=75" in service
+    assert f"Unit={unit}@%i.service" in (units / f"{unit}@.timer").read_text()
+    # Documentation= names what the host itself can open, never a web page that may not exist.
+    docs = re.search(r"^Documentation=(.*)$", service, re.M).group(1).split()  # type: ignore[union-attr]
+    assert "man:pearing-run(1)" in docs and all(d.startswith(("man:", "file:/")) for d in docs), docs
     grace = int(re.search(r"--kill-grace (\d+)", service).group(1))  # type: ignore[union-attr]
     assert int(re.search(r"TimeoutStopSec=(\d+)", service).group(1)) > grace  # type: ignore[union-attr]
     # Instances are what systemd verifies; link them next to the templates.
     for suffix in ("service", "timer"):
-        (units / f"pearing-run@checkin.{suffix}").symlink_to(units / f"pearing-run@.{suffix}")
+        (units / f"{unit}@checkin.{suffix}").symlink_to(units / f"{unit}@.{suffix}")
     r = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(units / "pearing-run@checkin.service"),
-         str(units / "pearing-run@checkin.timer")],
+        ["systemd-analyze", "verify", "--man=no", str(units / f"{unit}@checkin.service"),
+         str(units / f"{unit}@checkin.timer")],
         capture_output=True,
         text=True,
         check=False,
@@ -64,13 +72,40 @@ def test_systemd_units_verify_clean(tmp_path: Path) -> None:
     assert r.returncode == 0 and not problems, r.stderr
     # Hardened: systemd's own review rates the unit "OK" (at most 4.0; it was 9.6 UNSAFE).
     sec = subprocess.run(
-        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(units / "pearing-run@checkin.service")],
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(units / f"{unit}@checkin.service")],
         capture_output=True,
         text=True,
         check=False,
     )
     score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", sec.stdout + sec.stderr)
     assert score is not None and float(score.group(1)) <= 4.0, sec.stdout[-2000:] + sec.stderr
+
+
+def test_systemd_fleet_unit_shares_the_hardening_and_needs_its_backend(tmp_path: Path) -> None:
+    """pearing-run-fleet@.service is pearing-run@.service's hardening, line for line, plus a shared
+    backend whose placeholder fails the unit (64) until filled in: not empty (the local lock dir)
+    and not an unreachable host (75, which the unit counts as a success)."""
+
+    def hardening(name: str) -> str:
+        text = (SYSTEMD / name).read_text()
+        return text[text.index("\n# Hardening") :]
+
+    assert hardening("pearing-run-fleet@.service") == hardening("pearing-run@.service")
+    service = (SYSTEMD / "pearing-run-fleet@.service").read_text()
+    backends = re.findall(r"^Environment=PEARING_BACKEND=(.+)$", service, re.M)
+    assert len(backends) == 1, backends
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARING_")}
+    env.update(PEARING_BACKEND=backends[0], PEARING_LOCK_DIR=str(tmp_path / "ld"))
+    r = subprocess.run(
+        [PEARING_RUN, "--job", "checkin", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == ExitCode.USAGE, r
+    assert backends[0] in r.stderr, r.stderr
 
 
 def test_cron_example_hourly_line_runs_once(backend: str, procs: Procs, work: Path) -> None:
@@ -245,6 +280,32 @@ def test_readme_first_screen_has_exactly_two_setup_commands() -> None:
     assert "python -m pytest" in blocks[1] and "python -m pytest" in ci
 
 
+def _slugs(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_readme_and_docs_links_resolve() -> None:
+    """Every relative link (and its #anchor) in the README, docs/ and contrib/ reaches a file and a heading,
+    and the README's Contents links every docs page."""
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md"]
+    pages += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "contrib").glob("*/README.md"))
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or (anchor and anchor not in _slugs(dest)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+    contents = README.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{doc.name})" in contents, doc.name
+
+
 @pytest.mark.local_only("the demo's output shows a fresh lock dir's first fence, 1")
 def test_readme_demo_runs(procs: Procs, tmp_path: Path) -> None:
     """The demo one-liner, minus the install (this venv is the install)."""
@@ -304,14 +365,17 @@ def test_readme_lock_example_runs(backend: str, procs: Procs, work: Path) -> Non
     assert int(fence) >= 1 and promoted == "False" and token_file.endswith(f"{ticket}.token")
 
 
-def test_readme_mentions_every_exit_code_and_env_name() -> None:
+def test_docs_mention_every_exit_code_and_env_name() -> None:
+    """The README's reference page for them (docs/exit-codes.md, linked from its Contents)."""
     from singleflight.core import const as _const
 
+    assert "(docs/exit-codes.md)" in README
+    page = (ROOT / "docs/exit-codes.md").read_text()
     for code in (0, 1, 64, 70, 73, 74, 75, 77, 124, 126, 127):
-        assert re.search(rf"\| (\d+ / )?{code}( / \d+)? \|", README), code
+        assert re.search(rf"\| (\d+ / )?{code}( / \d+)? \|", page), code
     for name in dir(_const):
         if name.startswith("ENV_") and name not in ("ENV_BACKEND",):
-            assert getattr(_const, name) in README, name
+            assert getattr(_const, name) in page, name
     for cmd in (PEARING_GUARD,):
         assert os.path.basename(cmd) in README
 

@@ -707,7 +707,7 @@ def test_simultaneous_replays_run_once(backend: str, procs: Procs, work: Path) -
 
 
 def test_the_dedupe_window_counts_from_the_runs_start(backend: str, procs: Procs, work: Path) -> None:
-    """README: a success is deduplicated for --dedupe-window from the run's start, on every backend
+    """docs/choices.md: a success is deduplicated for --dedupe-window from the run's start, on every backend
     (etcd counted from the end). A run of 3 s under a 2 s window leaves nothing to dedupe: the
     replay right after it runs. Within the window from the start, a replay is deduplicated."""
     u = str(uuid.uuid4())
