@@ -1344,14 +1344,16 @@ def test_a_manual_lease_counts_from_command_start_not_from_the_lock(
 ) -> None:
     """Once failed on a busy CI: a 3 s manual lease ran from the moment the lock was taken, so
     the wrapper's spawn of COMMAND and COMMAND's own start ate the slack its first heartbeat
-    had. Here the wrapper is frozen 2 s right before the spawn (a busy machine, exaggerated);
-    COMMAND heartbeats 1.5 s after its start: 3.5 s after the lock, inside its own first lease
-    period. SPEC 4: COMMAND heartbeats within every lease period, and the first is its own."""
+    had. Here the wrapper is frozen two thirds of a 6 s lease right before the spawn (a busy
+    machine, exaggerated); COMMAND heartbeats 3 s after its start: 7 s after the lock, inside its
+    own first lease period, with 3 s left for the heartbeat's own process (a 3 s lease left it
+    1.5 s, and a loaded machine took longer). SPEC 4: COMMAND heartbeats within every lease
+    period, and the first is its own."""
     solo = Solo(procs, work)
     armed = dict(env, **{ENV_FAULT: "pause-command-spawn"})
-    a = solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "3"], ["hb=1.5", "lease=3", "hold=2"], env=armed)
+    a = solo.start("a", ["--heartbeat", "manual", "--lease-seconds", "6"], ["hb=3", "lease=6", "hold=4"], env=armed)
     wait_for(lambda: proc_state(a.pid) == "T", 15, "the wrapper to pause right before COMMAND's spawn")
-    time.sleep(2.0)  # the fault itself: frozen for two thirds of the lease
+    time.sleep(4.0)  # the fault itself: frozen for two thirds of the lease
     a.send_signal(signal.SIGCONT)
     codes, v = solo.finish()
     assert v.violations() == []
