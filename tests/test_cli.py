@@ -18,6 +18,7 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from caps import Caps
@@ -27,6 +28,7 @@ from helpers import (
     Gate,
     Procs,
     TextResult,
+    backend_url,
     line_file,
     pid_alive,
     q,
@@ -35,7 +37,8 @@ from helpers import (
     wait_for,
 )
 
-from singleflight.core.const import ENV_BACKEND, ENV_IDENTITY, ENV_TICKET, ExitCode
+from singleflight import __version__
+from singleflight.core.const import ENV_BACKEND, ENV_IDENTITY, ENV_LOCK_DIR, ENV_TICKET, ExitCode
 
 # The seed walkthrough's values.
 _REPO = "teams/platform/website"
@@ -620,3 +623,36 @@ def test_a_corrupt_activity_record_is_74_naming_where_on_every_backend(
     finally:
         b.close()
     assert _cli(work_procs, "release-lock-ticket", _LOCK, t["ticket_id"], "--repo", _REPO).returncode == 0
+
+
+def test_global_options_mean_the_same_after_the_command(backend: str, procs: Procs) -> None:
+    """``pearing-cli status --lock-dir X`` is ``pearing-cli --lock-dir X status`` (issue 26): each
+    option of the top level (--lock-dir, --identity, --backend, --version) is taken after the
+    command too; given on both sides, the later one counts. Here only the flags say where the
+    state is: neither PEARING_LOCK_DIR nor PEARING_BACKEND is set."""
+    env = {k: v for k, v in procs.env.items() if k not in (ENV_LOCK_DIR, ENV_BACKEND, ENV_IDENTITY)}
+    url = backend_url(procs.env)
+    where = ["--lock-dir", str(procs.lock_dir), *([] if url is None else ["--backend", url])]
+
+    def cli(*args: str) -> Any:
+        r = procs.run_text([PEARING_CLI, *args], env=env)
+        assert r.returncode == 0 and r.stderr == "", r
+        return r.json
+
+    held = cli("acquire-lock", "L", "--request-uuid", _UUID, *where, "--identity", "alice@h1")
+    assert held["state"] == "held" and held["identity"] == "alice@h1", held
+    for listed in (cli(*where, "status", "L"), cli("status", "L", *where)):
+        assert [(lk["lock_name"], lk["holder"]["ticket_id"]) for lk in listed] == [("L", held["ticket_id"])], listed
+    assert cli("--identity", "bob@h1", "update-user-activity", "--clear", *where, "--identity", "carol@h1") == {
+        "identity": "carol@h1",
+        "activity": None,
+    }
+    assert cli("release-lock-ticket", "L", held["ticket_id"], *where)["state"] == "released"
+
+    version = procs.run_text([PEARING_CLI, "status", "--version"], env=env)
+    assert (version.returncode, version.stdout) == (0, f"pearing-cli {__version__}\n"), version
+    before = procs.run_text([PEARING_CLI, "--backend", "bogus://x", "status"], env=env)
+    after = procs.run_text([PEARING_CLI, "status", "--backend", "bogus://x"], env=env)
+    assert before.returncode == after.returncode == ExitCode.USAGE and before.one_line() == after.one_line(), after
+    unknown = procs.run_text([PEARING_CLI, "status", "--lock-dirs", "x"], env=env)
+    assert unknown.returncode == ExitCode.USAGE and "--lock-dirs" in unknown.one_line(), unknown

@@ -325,7 +325,7 @@ def test_the_flags_win_over_the_environment(procs: Procs, repos: Git) -> None:
 
 
 @pytest.mark.parametrize(
-    ("missing", "flag"), [(ENV_FENCE, "--fence N"), (ENV_LOCK, "--lock L"), (ENV_REPO, "--repo S")]
+    ("missing", "flag"), [(ENV_FENCE, "--fence N"), (ENV_LOCK, "--lock NAME"), (ENV_REPO, "--repo SCOPE")]
 )
 def test_a_missing_fence_lock_or_scope_is_usage_and_pushes_nothing(
     procs: Procs, repos: Git, missing: str, flag: str
@@ -587,7 +587,8 @@ def test_help_lists_git_push(procs: Procs) -> None:
     assert overview.returncode == 0 and "git-push REMOTE REFSPEC..." in overview.stdout, overview
     own = procs.run_text([PEARING_GUARD, "git-push", "-h"])
     assert own.returncode == 0, own
-    assert own.stdout.startswith("usage: pearing-guard git-push [--fence N] [--lock L --repo S] REMOTE REFSPEC...\n")
+    usage = "usage: pearing-guard git-push [--fence N] [--lock NAME --repo SCOPE] REMOTE REFSPEC...\n"
+    assert own.stdout.startswith(usage), own
     for word in (ENV_FENCE, ENV_LOCK, ENV_REPO):
         assert word in own.stdout
     unknown = procs.run_text([PEARING_GUARD, "git-pull"])

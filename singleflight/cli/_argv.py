@@ -1,13 +1,22 @@
-"""A small option parser for the hot commands (pearing-run, pearing-guard).
+"""A small option parser for the hot commands (pearing-run, pearing-guard), and the one help
+layout of all four commands.
 
 typer costs ~60 ms to import, more than the whole budget of a cron tick's
 ``pearing-run``; this covers what those two commands need: ``--opt VALUE``,
 ``--opt=VALUE``, flags, ``--`` and a usage error that exits 64.
+
+``render`` lays out every ``--help``: pearing-run's, pearing-guard's and pearing-mcp's from
+their option tables, pearing-cli's from its typer app (cli/_typer.py). The man pages and the
+shell completions are generated from the same tables (cli/_docs.py). A metavar is a word of
+cli/_pages.py's ``METAVARS`` (a test holds all four to it): SECONDS, DURATION, N, NAME...
 """
 
 from __future__ import annotations
 
 from singleflight.core.errors import UsageError
+
+WIDTH = 79  # a help line never runs past this column (an 80-column terminal wraps at 80)
+NAMES_WIDTH = 28  # "  --names METAVAR" is padded to here; the help starts two columns right of it
 
 
 class Option:
@@ -15,6 +24,22 @@ class Option:
 
     def __init__(self, *names: str, dest: str, flag: bool = False, help: str = "", metavar: str = "") -> None:
         self.names, self.dest, self.flag, self.help, self.metavar = names, dest, flag, help, metavar
+
+    @property
+    def label(self) -> str:
+        """The option's cell in a help table: ``-v, --verbose`` or ``--lease-seconds SECONDS``."""
+        return ", ".join(self.names) + (f" {self.metavar}" if self.metavar else "")
+
+
+class Command:
+    """A subcommand of a hot command: what its usage line says after its name, one sentence of
+    what it does, its options, and (``label``) its cell in the command list."""
+
+    __slots__ = ("label", "name", "options", "summary", "synopsis")
+
+    def __init__(self, name: str, synopsis: str, summary: str, options: list[Option], *, label: str = "") -> None:
+        self.name, self.synopsis, self.summary, self.options = name, synopsis, summary, options
+        self.label = label or name
 
 
 def parse(argv: list[str], options: list[Option], *, positional: bool) -> tuple[dict[str, object], list[str]]:
@@ -49,9 +74,46 @@ def parse(argv: list[str], options: list[Option], *, positional: bool) -> tuple[
     return values, []
 
 
-def usage(prog: str, synopsis: str, options: list[Option]) -> str:
-    lines = [f"usage: {prog} {synopsis}", "", "options:"]
-    for o in options:
-        names = ", ".join(o.names) + (f" {o.metavar}" if o.metavar else "")
-        lines.append(f"  {names:<28} {o.help}")
+Rows = list[tuple[str, str]]
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """``text``'s words in lines of at most ``width`` (a longer word alone on its line)."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line] if line else lines
+
+
+def render(prog: str, synopsis: str, summary: str, sections: list[tuple[str, Rows]]) -> str:
+    """A help page: the usage line, what the command does, then each non-empty section
+    (``commands``, ``arguments``, ``options``) as a two-column table."""
+    lines = [f"usage: {prog} {synopsis}"]
+    if summary:
+        lines += ["", *wrap(summary, WIDTH)]
+    indent = " " * (NAMES_WIDTH + 3)
+    for title, rows in sections:
+        if not rows:
+            continue
+        lines += ["", f"{title}:"]
+        for left, text in rows:
+            body = wrap(text, WIDTH - len(indent)) or [""]
+            if len(left) > NAMES_WIDTH:
+                lines.append(f"  {left}")
+            else:
+                lines.append(f"  {left:<{NAMES_WIDTH}} {body.pop(0)}".rstrip())
+            lines += [indent + b for b in body]
     return "\n".join(lines) + "\n"
+
+
+def rows(options: list[Option]) -> Rows:
+    return [(o.label, o.help) for o in options]
+
+
+def usage(prog: str, synopsis: str, options: list[Option], summary: str = "") -> str:
+    return render(prog, synopsis, summary, [("options", rows(options))])

@@ -1,9 +1,9 @@
 """pearing-guard: refuse side effects without a live token; reject stale fences.
 
-pearing-guard verify [--token-file F] [--backend URL] [--json]
-pearing-guard exec [--max-seconds S] [--token-file F] [--backend URL] -- CMD [ARG...]
+pearing-guard verify [--token-file PATH] [--backend URL] [--json]
+pearing-guard exec [--max-seconds SECONDS] [--token-file PATH] [--backend URL] -- CMD [ARG...]
 pearing-guard fence --resource NAME --fence N [--ledger PATH] [--backend URL]
-pearing-guard git-push [--fence N] [--lock L --repo S] REMOTE REFSPEC...
+pearing-guard git-push [--fence N] [--lock NAME --repo SCOPE] REMOTE REFSPEC...
 
 ``git-push`` talks only to git: the fence, lock and scope come from the flags or from
 the environment pearing-run gives its COMMAND (singleflight.gitpush).
@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
-from singleflight.cli._argv import Option, parse, usage
+from singleflight.cli._argv import Command, Option, parse, render, rows, usage
 from singleflight.cli._script import script
 from singleflight.core import fault, names, schemes
 from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ENV_FENCE, ENV_LOCK, ENV_REPO, ExitCode
@@ -34,69 +34,84 @@ from singleflight.core.log import Log
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence|git-push [options] [-- CMD...] [REMOTE REFSPEC...]"
-TOKEN_FILE = Option("--token-file", dest="token_file", metavar="F", help="token file (default PEARING_TOKEN_FILE)")
+SUMMARY = "Refuse a side effect without the live token of its lock's holder; reject stale fences."
+TOKEN_FILE = Option("--token-file", dest="token_file", metavar="PATH", help="token file (default PEARING_TOKEN_FILE)")
 HELP = Option("-h", "--help", dest="help", flag=True, help="show this help and exit")
 JSON = Option("--json", dest="json", flag=True, help="print the verdict (fence: the result) as JSON")
 BACKEND = Option("--backend", dest="backend", metavar="URL", help=schemes.help_text())
-VERIFY = [
-    TOKEN_FILE,
-    BACKEND,
-    JSON,
-    HELP,
-]
-EXEC = [
-    TOKEN_FILE,
-    BACKEND,
-    Option("--max-seconds", dest="max_seconds", metavar="S", help="kill CMD after S s (default 60)"),
-    HELP,
-]
-FENCE = [
-    Option("--resource", dest="resource", metavar="NAME", help="what the fence protects (required)"),
-    Option("--fence", dest="fence", metavar="N", help="the writer's fence (required)"),
-    Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default the backend's own ledger)"),
-    BACKEND,
-    JSON,
-    HELP,
-]
-GIT_PUSH = [
-    Option("--fence", dest="fence", metavar="N", help=f"the holder's fence (default {ENV_FENCE})"),
-    Option("--lock", dest="lock", metavar="L", help=f"the lock's name (default {ENV_LOCK})"),
-    Option("--repo", dest="repo", metavar="S", help=f"the lock's scope (default {ENV_REPO})"),
-    HELP,
-]
-GIT_PUSH_SYNOPSIS = "git-push [--fence N] [--lock L --repo S] REMOTE REFSPEC..."
+VERIFY = Command(
+    "verify",
+    "verify [--token-file PATH] [--backend URL] [--json]",
+    "exit 0 only while the run's token is live (else 1, with the reason)",
+    [TOKEN_FILE, BACKEND, JSON, HELP],
+)
+EXEC = Command(
+    "exec",
+    "exec [--max-seconds SECONDS] [--token-file PATH] [--backend URL] -- CMD [ARG...]",
+    "run CMD only under a live token; the lock waits for CMD to end",
+    [
+        TOKEN_FILE,
+        BACKEND,
+        Option("--max-seconds", dest="max_seconds", metavar="SECONDS", help="kill CMD after SECONDS (default 60)"),
+        HELP,
+    ],
+    label="exec -- CMD",
+)
+FENCE = Command(
+    "fence",
+    "fence --resource NAME --fence N [--ledger PATH] [--backend URL]",
+    "accept a write's fence only if no higher one was accepted",
+    [
+        Option("--resource", dest="resource", metavar="NAME", help="what the fence protects (required)"),
+        Option("--fence", dest="fence", metavar="N", help="the writer's fence (required)"),
+        Option("--ledger", dest="ledger", metavar="PATH", help="ledger file (default the backend's own ledger)"),
+        BACKEND,
+        JSON,
+        HELP,
+    ],
+)
+GIT_PUSH = Command(
+    "git-push",
+    "git-push [--fence N] [--lock NAME --repo SCOPE] REMOTE REFSPEC...",
+    "git push the refspecs and the lock's fence ref atomically, refused if the remote holds a higher fence",
+    [
+        Option("--fence", dest="fence", metavar="N", help=f"the holder's fence (default {ENV_FENCE})"),
+        Option("--lock", dest="lock", metavar="NAME", help=f"the lock's name (default {ENV_LOCK})"),
+        Option("--repo", dest="repo", metavar="SCOPE", help=f"the lock's scope (default {ENV_REPO})"),
+        HELP,
+    ],
+    label="git-push REMOTE REFSPEC...",
+)
+SUBCOMMANDS = [VERIFY, EXEC, FENCE, GIT_PUSH]
 _TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _CAUGHT = (*_TERMINAL, *_FORWARDED)
 
 
-def _help(opts: list[Option], synopsis: str) -> int:
-    sys.stdout.write(usage(PROG, synopsis, opts))
+def _help(command: Command) -> int:
+    sys.stdout.write(usage(PROG, command.synopsis, command.options, command.summary))
     return 0
 
 
 _FENCE_ANY = Option(
     "--fence", dest="fence", metavar="N", help=f"the writer's fence (fence: required; git-push: default {ENV_FENCE})"
 )
+VERSION = Option("--version", dest="version", flag=True, help="print the version and exit")
+HELP_ALL = Option("-h", "--help", dest="help", flag=True, help="show this help (COMMAND -h: that command's)")
+
+
+def overview_options() -> list[Option]:
+    """The options of ``pearing-guard --help``: every command's, each once, then its own."""
+    # An option two commands spell alike but mean apart (--fence) is shown once, in general words.
+    every = [o for c in SUBCOMMANDS for o in c.options if o is not HELP]
+    shared = list({o.names: o for o in every}.values())
+    return [_FENCE_ANY if o.names == ("--fence",) else o for o in shared] + [VERSION, HELP_ALL]
 
 
 def _overview() -> str:
     """``pearing-guard --help``: what each command is for, then the options they share."""
-    # An option two commands spell alike but mean apart (--fence) is shown once, in general words.
-    shared = list({o.names: o for o in VERIFY + EXEC + FENCE + GIT_PUSH if o is not HELP}.values())
-    shared = [_FENCE_ANY if o.names == ("--fence",) else o for o in shared]
-    return (
-        f"usage: {PROG} {SYNOPSIS}\n\n"
-        "commands:\n"
-        "  verify                       exit 0 only while the run's token is live (else 1, with the reason)\n"
-        "  exec -- CMD                  run CMD only under a live token; the lock waits for CMD to end\n"
-        "  fence                        accept a write's fence only if no higher one was accepted\n"
-        "  git-push REMOTE REFSPEC...   git push the refspecs and the lock's fence ref atomically,\n"
-        "                               refused if the remote holds a higher fence\n\n"
-        + usage(PROG, "COMMAND -h", shared).split("\n", 2)[2]
-        + f"  {'--version':<28} print the version and exit\n"
-        + f"  {'-h, --help':<28} show this help (COMMAND -h: that command's)\n"
-    )
+    commands = [(c.label, c.summary) for c in SUBCOMMANDS]
+    return render(PROG, SYNOPSIS, SUMMARY, [("commands", commands), ("options", rows(overview_options()))])
 
 
 def _backend(values: dict[str, object]) -> str:
@@ -111,9 +126,9 @@ def _env(values: dict[str, object]) -> dict[str, str]:
 
 
 def cmd_verify(argv: list[str], log: Log) -> int:
-    values, _ = parse(argv, VERIFY, positional=False)
+    values, _ = parse(argv, VERIFY.options, positional=False)
     if values.get("help"):
-        return _help(VERIFY, "verify [--token-file F] [--backend URL] [--json]")
+        return _help(VERIFY)
     token_file = values.get("token_file")
     verdict = guard.verify(str(token_file) if token_file else None, env=_env(values))
     if values.get("json"):
@@ -125,9 +140,9 @@ def cmd_verify(argv: list[str], log: Log) -> int:
 
 
 def cmd_exec(argv: list[str], log: Log) -> int:
-    values, command = parse(argv, EXEC, positional=True)
+    values, command = parse(argv, EXEC.options, positional=True)
     if values.get("help"):
-        return _help(EXEC, "exec [--max-seconds S] [--token-file F] [--backend URL] -- CMD [ARG...]")
+        return _help(EXEC)
     env = _env(values)
     if not command:
         raise UsageError("no CMD given (put it after --)")
@@ -214,9 +229,9 @@ def _kill_tree(pid: int, pidfd: int) -> None:
 
 
 def cmd_fence(argv: list[str], log: Log) -> int:
-    values, _ = parse(argv, FENCE, positional=False)
+    values, _ = parse(argv, FENCE.options, positional=False)
     if values.get("help"):
-        return _help(FENCE, "fence --resource NAME --fence N [--ledger PATH] [--backend URL]")
+        return _help(FENCE)
     resource, fence = values.get("resource"), values.get("fence")
     if resource is None or fence is None:
         raise UsageError("fence needs --resource NAME and --fence N")
@@ -231,7 +246,11 @@ def cmd_fence(argv: list[str], log: Log) -> int:
 
 # git-push's flags as its usage line spells them, and the variable each defaults from: the
 # environment pearing-run gives its COMMAND.
-_GIT_PUSH_DEFAULTS = (("fence", "--fence N", ENV_FENCE), ("lock", "--lock L", ENV_LOCK), ("repo", "--repo S", ENV_REPO))
+_GIT_PUSH_DEFAULTS = (
+    ("fence", "--fence N", ENV_FENCE),
+    ("lock", "--lock NAME", ENV_LOCK),
+    ("repo", "--repo SCOPE", ENV_REPO),
+)
 
 
 def _git_push_target(values: dict[str, object]) -> dict[str, str]:
@@ -245,9 +264,9 @@ def _git_push_target(values: dict[str, object]) -> dict[str, str]:
 
 
 def cmd_git_push(argv: list[str], log: Log) -> int:
-    values, rest = parse(argv, GIT_PUSH, positional=True)
+    values, rest = parse(argv, GIT_PUSH.options, positional=True)
     if values.get("help"):
-        return _help(GIT_PUSH, GIT_PUSH_SYNOPSIS)
+        return _help(GIT_PUSH)
     target = _git_push_target(values)
     if not rest:
         raise UsageError("git-push needs REMOTE and at least one REFSPEC")

@@ -10,18 +10,22 @@ import json
 import os
 import sys
 import time
-from typing import Annotated, Any, NoReturn
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from typer._click.exceptions import NoArgsIsHelpError
 
 from singleflight import __version__, ops
 from singleflight.backend import Backend, backend_url, open_backend
 from singleflight.cli._script import script
+from singleflight.cli._typer import HelpCommand, HelpGroup
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
+    ENV_FENCE,
     ENV_LOCK,
     ENV_REPO,
     ENV_TICKET,
@@ -39,13 +43,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},  # -h, as the other three commands
+    rich_markup_mode=None,
+    cls=HelpGroup,  # the help layout of the other three; global options after the command too
 )
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _command(name: str) -> Callable[[_F], _F]:
+    decorate: Callable[[_F], _F] = app.command(name, cls=HelpCommand)
+    return decorate
+
+
 class _State:
-    lock_dir: str | None = None
-    identity: str | None = None
-    backend: str | None = None
+    """The global options given (before or after the command), by their parameter's name."""
+
+    def __init__(self) -> None:
+        self.given: dict[str, str] = {}
 
 
 _state = _State()
@@ -57,23 +72,45 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
+def _given(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """A global option reaches the commands through here, not through ``_root``: so it is
+    taken after the command as well (cli/_typer.py)."""
+    if value is not None and param.name:
+        _state.given[param.name] = value
+    return value
+
+
 @app.callback()
 def _root(
-    lock_dir: Annotated[str | None, typer.Option("--lock-dir", help="State dir (default PEARING_LOCK_DIR).")] = None,
-    ident: Annotated[
-        str | None, typer.Option("--identity", help="Who holds (default PEARING_IDENTITY, else user@host).")
+    lock_dir: Annotated[
+        str | None,
+        typer.Option("--lock-dir", metavar="DIR", callback=_given, help="state dir (default PEARING_LOCK_DIR)"),
     ] = None,
-    url: Annotated[str | None, typer.Option("--backend", help=schemes.help_text().replace("[", r"\["))] = None,
+    ident: Annotated[
+        str | None,
+        typer.Option(
+            "--identity", metavar="ID", callback=_given, help="who holds (default PEARING_IDENTITY, else user@host)"
+        ),
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option("--backend", metavar="URL", callback=_given, help=schemes.help_text())
+    ] = None,
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
     ] = False,
 ) -> None:
-    _state.lock_dir, _state.identity = lock_dir, ident
-    _state.backend = url if url is not None else os.environ.get(ENV_BACKEND) or None
+    """Global options: each is also taken after the command, through its callback."""
+
+
+def _identity() -> str:
+    return identity.resolve(_state.given.get("ident"))
 
 
 def _backend() -> Backend:
-    return open_backend(backend_url(_state.backend, None), resolve_lock_dir(_state.lock_dir))
+    url = _state.given.get("url")
+    return open_backend(
+        backend_url(url, os.environ.get(ENV_BACKEND) or None), resolve_lock_dir(_state.given.get("lock_dir"))
+    )
 
 
 def _emit(obj: Any) -> None:
@@ -100,23 +137,31 @@ def _exit(code: int, reason: str | None) -> NoReturn:
     raise typer.Exit(code)
 
 
-RepoOpt = Annotated[str | None, typer.Option("--repo", help="Scope (default PEARING_REPO, else 'default').")]
-LockArg = Annotated[str | None, typer.Argument(help="Lock name (default PEARING_LOCK).", show_default=False)]
-TicketArg = Annotated[str | None, typer.Argument(help="Ticket id (default PEARING_TICKET).", show_default=False)]
+RepoOpt = Annotated[
+    str | None, typer.Option("--repo", metavar="SCOPE", help=f"scope (default {ENV_REPO}, else '{DEFAULT_SCOPE}')")
+]
+LockArg = Annotated[str | None, typer.Argument(metavar="NAME", help=f"lock name (default {ENV_LOCK})")]
+TicketArg = Annotated[str | None, typer.Argument(metavar="TICKET_ID", help=f"ticket id (default {ENV_TICKET})")]
+LEASE = f"{DEFAULT_LEASE_SECONDS:g}"
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON even on a terminal")]
 
 
-@app.command("acquire-lock")
+@_command("acquire-lock")
 def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of the seed's command
-    name: Annotated[str, typer.Argument(help="Lock name, e.g. thread-work.42.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="lock name, e.g. thread-work.42")],
     request_uuid: Annotated[
-        str | None, typer.Option("--request-uuid", help="Idempotency key of this acquisition.")
+        str | None, typer.Option("--request-uuid", metavar="UUID", help="idempotency key of this acquisition")
     ] = None,
-    lease_seconds: Annotated[str, typer.Option("--lease-seconds", help="Lease length.")] = str(DEFAULT_LEASE_SECONDS),
-    wait_seconds: Annotated[str, typer.Option("--wait-seconds", help="Wait in FIFO order up to this long.")] = "0",
+    lease_seconds: Annotated[
+        str, typer.Option("--lease-seconds", metavar="SECONDS", help=f"lease length (default {LEASE})")
+    ] = LEASE,
+    wait_seconds: Annotated[
+        str, typer.Option("--wait-seconds", metavar="SECONDS", help="wait in FIFO order up to SECONDS (default 0)")
+    ] = "0",
     repo: RepoOpt = None,
     request_key: Annotated[
         str | None,
-        typer.Option("--request-key", help="Any event id: its UUIDv5 is the request uuid."),
+        typer.Option("--request-key", metavar="KEY", help="any event id: the request uuid is its UUIDv5"),
     ] = None,
 ) -> None:
     """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
@@ -124,7 +169,7 @@ def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of th
     uuid = names.request(request_uuid, request_key, required=True)
     lease = names.lease_seconds(lease_seconds, "--lease-seconds")
     wait = names.seconds(wait_seconds, "--wait-seconds")
-    who = identity.resolve(_state.identity)
+    who = _identity()
     out, _ = ops.acquire(
         _backend(), lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=who
     )
@@ -132,20 +177,20 @@ def acquire_lock(  # noqa: PLR0917 - typer maps each parameter to one flag of th
     _exit(out.code, out.reason)
 
 
-@app.command("get-lock-ticket")
+@_command("get-lock-ticket")
 def get_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
     """Show one ticket."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
     _emit(ops.get(_backend(), lock, scope, tid))
 
 
-@app.command("heartbeat-lock-ticket")
+@_command("heartbeat-lock-ticket")
 def heartbeat_lock_ticket(
     name: LockArg = None,
     ticket_id: TicketArg = None,
-    lease_seconds: Annotated[str, typer.Option("--lease-seconds", help="New lease, from now.")] = str(
-        DEFAULT_LEASE_SECONDS
-    ),
+    lease_seconds: Annotated[
+        str, typer.Option("--lease-seconds", metavar="SECONDS", help=f"new lease, from now (default {LEASE})")
+    ] = LEASE,
     repo: RepoOpt = None,
 ) -> None:
     """Renew the lease of a held (or waiting) ticket. Exit 1 if it is no longer live: stop."""
@@ -154,35 +199,39 @@ def heartbeat_lock_ticket(
     _emit(ops.heartbeat(_backend(), lock, scope, tid, lease))
 
 
-@app.command("release-lock-ticket")
+@_command("release-lock-ticket")
 def release_lock_ticket(name: LockArg = None, ticket_id: TicketArg = None, repo: RepoOpt = None) -> None:
     """Release a held ticket or leave the queue. Idempotent."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
     _emit(ops.release(_backend(), lock, scope, tid))
 
 
-@app.command("update-user-activity")
+@_command("update-user-activity")
 def update_user_activity(
-    activity: Annotated[str | None, typer.Option("--activity", help="What this identity is doing.")] = None,
-    clear: Annotated[bool, typer.Option("--clear", help="Clear the activity.")] = False,
+    activity: Annotated[
+        str | None, typer.Option("--activity", metavar="TEXT", help="what this identity is doing")
+    ] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="clear the activity")] = False,
 ) -> None:
     """Set (or clear) this identity's activity, shown on its tickets and in status."""
     if (activity is None) == (not clear):
         raise UsageError("give exactly one of --activity TEXT or --clear")
     if activity is not None:
         names.activity(activity, "--activity")
-    _emit(ops.update_activity(_backend(), identity.resolve(_state.identity), activity))
+    _emit(ops.update_activity(_backend(), _identity(), activity))
 
 
-@app.command("status")
+@_command("status")
 def status(  # noqa: PLR0917 - typer maps each parameter to one flag
-    name: Annotated[str | None, typer.Argument(help="Only this lock.", show_default=False)] = None,
+    name: Annotated[str | None, typer.Argument(metavar="NAME", help="only this lock")] = None,
     repo: RepoOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Redraw every --interval seconds until ^C.")] = False,
-    interval: Annotated[str, typer.Option("--interval", help="Seconds between redraws with --watch.")] = "2",
-    every_scope: Annotated[bool, typer.Option("--all", help="Every scope, not one.")] = False,
-    idle: Annotated[bool, typer.Option("--idle", help="Idle locks too (no holder, nobody waiting).")] = False,
+    as_json: JsonOpt = False,
+    watch: Annotated[bool, typer.Option("--watch", help="redraw every --interval seconds until ^C")] = False,
+    interval: Annotated[
+        str, typer.Option("--interval", metavar="SECONDS", help="between redraws with --watch (default 2)")
+    ] = "2",
+    every_scope: Annotated[bool, typer.Option("--all", help="every scope, not one")] = False,
+    idle: Annotated[bool, typer.Option("--idle", help="idle locks too (no holder, nobody waiting)")] = False,
 ) -> None:
     """Locks with a holder or waiters: who holds, who waits, activity, lease left. A table on a
     terminal, JSON otherwise."""
@@ -210,11 +259,15 @@ def status(  # noqa: PLR0917 - typer maps each parameter to one flag
         time.sleep(every)
 
 
-@app.command("get-thread-tree")
+ScopeArg = Annotated[str, typer.Argument(metavar="REPO", help="scope, e.g. teams/platform/website")]
+ThreadArg = Annotated[str, typer.Argument(metavar="THREAD", help="thread number, e.g. 42")]
+
+
+@_command("get-thread-tree")
 def get_thread_tree(
-    repo: Annotated[str, typer.Argument(help="Scope, e.g. teams/platform/website.")],
-    thread: Annotated[str, typer.Argument(help="Thread number, e.g. 42.")],
-    as_json: Annotated[bool, typer.Option("--json", help="JSON even on a terminal.")] = False,
+    repo: ScopeArg,
+    thread: ThreadArg,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show a thread's replies, nested, and the highest fence it accepted. A tree on a terminal, JSON otherwise."""
     from singleflight.rules import threads
@@ -228,18 +281,24 @@ def get_thread_tree(
         _emit(found)
 
 
-@app.command("create-reply")
+@_command("create-reply")
 def create_reply(  # noqa: PLR0917 - typer maps each parameter to one flag of the seed's command
-    repo: Annotated[str, typer.Argument(help="Scope, e.g. teams/platform/website.")],
-    thread: Annotated[str, typer.Argument(help="Thread number, e.g. 42.")],
-    kind: Annotated[str, typer.Option("--kind", help="What the reply is, e.g. implementation.")],
-    body: Annotated[str, typer.Option("--body", help="The reply's text (at most 64 KiB).")],
-    link: Annotated[list[str] | None, typer.Option("--link", help="KIND:TARGET, e.g. branch:codex/thread-42.")] = None,
-    parent: Annotated[str | None, typer.Option("--parent", help="Reply id to answer (default: the thread).")] = None,
-    fence: Annotated[
-        str | None, typer.Option("--fence", help="Fence to carry (default PEARING_FENCE, else the held ticket's).")
+    repo: ScopeArg,
+    thread: ThreadArg,
+    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="what the reply is, e.g. implementation")],
+    body: Annotated[str, typer.Option("--body", metavar="TEXT", help="the reply's text (at most 64 KiB)")],
+    link: Annotated[
+        list[str] | None,
+        typer.Option("--link", metavar="KIND:TARGET", help="a link, e.g. branch:codex/thread-42 (repeatable)"),
     ] = None,
-    unfenced: Annotated[bool, typer.Option("--unfenced", help="A note with no fence (a person's).")] = False,
+    parent: Annotated[
+        str | None, typer.Option("--parent", metavar="REPLY_ID", help="reply to answer (default: the thread)")
+    ] = None,
+    fence: Annotated[
+        str | None,
+        typer.Option("--fence", metavar="N", help=f"fence to carry (default {ENV_FENCE}, else the held ticket's)"),
+    ] = None,
+    unfenced: Annotated[bool, typer.Option("--unfenced", help="a note with no fence (a person's)")] = False,
 ) -> None:
     """Add a reply, only under the newest fence: exit 1 'stale fence N < M' and nothing written otherwise."""
     from singleflight.rules import threads
@@ -254,7 +313,7 @@ def create_reply(  # noqa: PLR0917 - typer maps each parameter to one flag of th
         parent=parent,
         fence=fence,
         unfenced=unfenced,
-        identity=identity.resolve(_state.identity),
+        identity=_identity(),
         env=os.environ,
         spelling={"kind": "--kind", "body": "--body", "link": "--link", "parent": "--parent", "fence": "--fence"},
     )
@@ -263,6 +322,7 @@ def create_reply(  # noqa: PLR0917 - typer maps each parameter to one flag of th
 
 def main(argv: list[str] | None = None) -> int:
     log = Log(PROG)
+    _state.given.clear()  # a second call in one process starts from nothing given
     try:
         rv = app(args=argv, prog_name=PROG, standalone_mode=False)
     except typer.Abort:
@@ -270,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     except PearingError as exc:
         log.error(str(exc))
         return int(exc.exit_code)
+    except NoArgsIsHelpError as exc:  # a bare pearing-cli: the help, and 64 (no command given)
+        sys.stdout.write(exc.message + "\n")
+        return int(ExitCode.USAGE)
     except typer.TyperException as exc:
         # typer's (vendored click's) usage errors: a bad flag, a missing argument.
         format_message = getattr(exc, "format_message", None)
         message = str(format_message() if callable(format_message) else exc).replace("\n", " ").strip()
-        if message:  # empty after no_args_is_help has printed the help
-            log.error(message)
+        log.error(message)
         return int(ExitCode.USAGE)
     except Exception as exc:  # noqa: BLE001 - a bug still gets one line and exit 70
         log.error(f"internal error (a bug, please report it): {exc!r}")

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 PROG = "pearing-mcp"
 SYNOPSIS = "[--lock-dir DIR] [--identity ID] [--backend URL] [--version]"
+SUMMARY = (
+    "A stdio MCP server: the lock operations of pearing-cli and its thread service as tools, for an agent's "
+    "MCP client to start."
+)
 OPTIONS = [
     Option("--lock-dir", dest="lock_dir", metavar="DIR", help="state dir (default PEARING_LOCK_DIR)"),
     Option("--backend", dest="backend", metavar="URL", help=schemes.help_text("PEARING_BACKEND, else local")),
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             raise UsageError(f"unexpected argument {rest[0]!r} (see --help)")
         if values.get("help"):
-            sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS))
+            sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS, SUMMARY))
             return 0
         if values.get("version"):
             sys.stdout.write(f"{PROG} {__version__}\n")

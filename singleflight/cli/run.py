@@ -34,14 +34,22 @@ from singleflight.runopts import RunOptions
 
 PROG = "pearing-run"
 SYNOPSIS = "--job NAME [options] -- COMMAND [ARG...]"
+SUMMARY = (
+    "Run COMMAND as the one holder of the lock NAME, with a lease, a fence and a token in its environment. "
+    "A busy lock exits 75 at once, or after waiting its turn in FIFO order (--wait-seconds)."
+)
 OPTIONS = [
     Option("--job", dest="job", metavar="NAME", help="lock name, e.g. checkin or thread-work.42 (required)"),
     Option("--repo", dest="repo", metavar="SCOPE", help=f"scope of the lock name (default {DEFAULT_SCOPE})"),
-    Option("--lease-seconds", dest="lease", metavar="S", help="lease length (default 60)"),
-    Option("--wait-seconds", dest="wait", metavar="S", help="wait in FIFO order up to S s when busy (default 0)"),
+    Option("--lease-seconds", dest="lease", metavar="SECONDS", help="lease length (default 60)"),
+    Option(
+        "--wait-seconds", dest="wait", metavar="SECONDS", help="when busy, wait in FIFO order up to SECONDS (default 0)"
+    ),
     Option("--heartbeat", dest="heartbeat", metavar="auto|manual", help="who renews the lease (default auto)"),
-    Option("--max-runtime", dest="max_runtime", metavar="S", help="stop COMMAND after S s whatever the lease"),
-    Option("--kill-grace", dest="kill_grace", metavar="S", help="SIGTERM to SIGKILL delay (default 10)"),
+    Option(
+        "--max-runtime", dest="max_runtime", metavar="SECONDS", help="stop COMMAND after SECONDS whatever the lease"
+    ),
+    Option("--kill-grace", dest="kill_grace", metavar="SECONDS", help="SIGTERM to SIGKILL delay (default 10)"),
     Option("--request-uuid", dest="request_uuid", metavar="UUID", help="idempotency key: replays run once"),
     Option("--request-key", dest="request_key", metavar="KEY", help="any event id: the request uuid is its UUIDv5"),
     Option("--min-interval", dest="min_interval", metavar="DURATION", help="skip if a success started < DURATION ago"),
@@ -75,7 +83,7 @@ def _opt(values: dict[str, object], key: str, default: object) -> str:
 def build_options(argv: list[str]) -> RunOptions:
     values, command = parse(argv, OPTIONS, positional=False)
     if values.get("help"):
-        sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS))
+        sys.stdout.write(usage(PROG, SYNOPSIS, OPTIONS, SUMMARY))
         raise SystemExit(0)
     if values.get("version"):
         sys.stdout.write(f"{PROG} {__version__}\n")
