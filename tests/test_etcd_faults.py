@@ -55,12 +55,14 @@ def time_passes(seconds: float, what: str) -> None:
 
 
 def test_a_heartbeat_within_every_lease_period_is_enough(procs: Procs, work: Path, job: str, on_etcd: str) -> None:
-    """Heartbeats 3.5 s apart (plus the CLI's own start-up) with a 5 s lease: inside every lease
-    period, but later than the etcd lease's TTL minus the holder's old give-up margin (3.3 s)."""
-    beat = f"{PEARING_CLI} heartbeat-lock-ticket --lease-seconds 5 >/dev/null || exit 9"
-    script = f"for i in 1 2 3; do sleep 3.5; {beat}; done; {stamp(work / 'log', 'done')}"
+    """Heartbeats 5.5 s apart (plus the CLI's own start-up) with an 8 s lease: inside every lease
+    period, but later than the etcd lease's TTL minus the holder's old give-up margin (a third of
+    it: 5.3 s). 2.5 s are left for the heartbeat's own process (with a 5 s lease and beats 3.5 s
+    apart it had 1.5 s, and a loaded machine took longer: 124)."""
+    beat = f"{PEARING_CLI} heartbeat-lock-ticket --lease-seconds 8 >/dev/null || exit 9"
+    script = f"for i in 1 2 3; do sleep 5.5; {beat}; done; {stamp(work / 'log', 'done')}"
     r = procs.pr_run(
-        "--job", job, "--heartbeat", "manual", "--lease-seconds", "5", "--", "sh", "-c", script, timeout=60
+        "--job", job, "--heartbeat", "manual", "--lease-seconds", "8", "--", "sh", "-c", script, timeout=60
     )
     assert r.returncode == 0, r
     assert (work / "log").exists()
