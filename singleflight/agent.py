@@ -52,8 +52,10 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"one argument, a start message, not {len(argv)}")
         start = protocol.AgentStart.from_word(argv[0])
     except ValueError as exc:
-        # Only ops starts an agent: this is a bug, or someone running it by hand.
-        sys.stderr.write(f"singleflight.agent: error: {exc}\n")
+        # Only ops starts an agent: this is a bug, or someone running it by hand (with fd 2
+        # closed, Python has no sys.stderr: the exit code alone says it).
+        if sys.stderr is not None:
+            sys.stderr.write(f"singleflight.agent: error: {exc}\n")
         return int(ExitCode.USAGE)
     # Daemonise: the caller reaps our parent (once it has heard us out), so a long-lived caller
     # (pearing-mcp) collects no zombies; init reaps us when the lease ends.

@@ -78,3 +78,10 @@ def test_the_agent_started_by_hand_says_what_it_needs_and_exits_64(argv: list[st
     )
     assert r.returncode == ExitCode.USAGE, r
     assert r.stderr.startswith("singleflight.agent: error: ") and r.stderr.count("\n") == 1, r
+
+
+def test_the_agent_started_by_hand_with_stdio_closed_still_exits_64() -> None:
+    """fds 0-2 closed: Python starts without sys.stderr; the refusal is the exit code alone."""
+    code = "import os, sys; os.closerange(0, 3); os.execv(sys.executable, [sys.executable, '-m', 'singleflight.agent'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30, check=False)
+    assert r.returncode == ExitCode.USAGE, r
