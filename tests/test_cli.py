@@ -14,6 +14,7 @@ import os
 import pty
 import re
 import stat
+import sys
 import time
 import uuid
 from datetime import datetime
@@ -656,3 +657,42 @@ def test_global_options_mean_the_same_after_the_command(backend: str, procs: Pro
     assert before.returncode == after.returncode == ExitCode.USAGE and before.one_line() == after.one_line(), after
     unknown = procs.run_text([PEARING_CLI, "status", "--lock-dirs", "x"], env=env)
     assert unknown.returncode == ExitCode.USAGE and "--lock-dirs" in unknown.one_line(), unknown
+
+
+PLAIN_START = """
+import sys
+from singleflight.cli.main import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    sys.stderr.write("pydantic loaded: %s\\n" % any(m.split(".")[0] == "pydantic" for m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["status"], ExitCode.OK),
+        (["acquire-lock", "x", "--lease-seconds", "9", "--repo", "r", "--request-key", "k"], ExitCode.OK),
+        (["create-reply", "r", "1", "--kind", "k", "--body", "b", "--link", "a:1", "--link", "b:2", "--unfenced"], 0),
+        (["acquire-lock", "x", "--lease-seconds", "9x"], ExitCode.USAGE),
+        (["create-reply", "r", "1", "--kind", "k", "--body", "b", "--fence", "x"], ExitCode.USAGE),
+    ],
+    ids=["status", "acquire", "links", "bad-seconds", "bad-fence"],
+)
+def test_the_cli_takes_its_values_as_given_without_loading_pydantic(procs: Procs, argv: list[str], code: int) -> None:
+    """typer would check every value through pydantic, three quarters of pearing-cli's start;
+    ours are strings, lists of them and flags that names.py checks, so pydantic is never
+    loaded, and a bad value is still one line and 64 (cli/_typer.py)."""
+    r = procs.run([sys.executable, "-c", PLAIN_START, *argv])
+    *said, loaded = r.stderr.decode().splitlines()
+    assert loaded == "pydantic loaded: False", r
+    assert r.returncode == code, r
+    assert len(said) == (0 if code == ExitCode.OK else 1), r
+    if argv[0] == "create-reply" and code == ExitCode.OK:
+        tree = procs.run([sys.executable, "-m", "singleflight.cli.main", "get-thread-tree", "r", "1"])
+        assert [link for reply in json.loads(tree.stdout)["replies"] for link in reply["links"]] == [
+            "a:1",
+            "b:2",
+        ], tree

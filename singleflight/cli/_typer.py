@@ -9,6 +9,12 @@
   parameter with the same callback (``pearing-cli status --lock-dir X`` is
   ``pearing-cli --lock-dir X status``; given twice, the later one counts). So a global option
   acts through its callback, never through the group callback's arguments.
+- Values as given: typer checks each value through a pydantic ``TypeAdapter`` it builds on
+  first use. Importing pydantic and building those was three quarters of pearing-cli's start
+  (260 of 330 ms, every heartbeat an agent sends). Every parameter here is a ``str``, a
+  ``bool`` flag or a ``list[str]``, which click hands over as such, and ``core/names.py``
+  checks the values; so they pass as they are (``_Given``), and anything else still goes
+  through typer's own coercion.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from typer import _click
-from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
+from typer._coercion import RuntimeParam, build_runtime_param
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption, _TyperParameter
 
 from singleflight.cli._argv import Option, Rows, render, rows
 
@@ -90,7 +97,33 @@ def _page(command: _click.Command, ctx: _click.Context) -> str:
     return render(ctx.command_path, synopsis(command, ctx), summary(command), _sections(command, ctx))
 
 
+class _Given(RuntimeParam):
+    """A ``str`` or a list of them passes as click parsed it; any other value (none comes from
+    our parameters) goes through typer's own coercion, built only then."""
+
+    def _coerce_value(self, value: Any, param: _TyperParameter, ctx: _click.Context) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
+        return build_runtime_param(param.type_descriptor)._coerce_value(value, param=param, ctx=ctx)
+
+
+_PLAIN = (str, bool, list[str])
+
+
+def _as_given(params: Sequence[_click.Parameter]) -> None:
+    for p in params:
+        if isinstance(p, _TyperParameter) and p._runtime_param is None and p.type_descriptor.annotation in _PLAIN:
+            p._runtime_param = _Given(parameter_info=p.type_descriptor.parameter_info, annotation=str)
+
+
 class HelpCommand(TyperCommand):
+    def get_params(self, ctx: _click.Context) -> list[_click.Parameter]:
+        params = super().get_params(ctx)  # with click's --help, made here
+        _as_given(params)
+        return params
+
     def format_help(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
         formatter.write(_page(self, ctx))
 
@@ -107,6 +140,11 @@ class HelpGroup(TyperGroup):
             if clash:
                 raise TypeError(f"{command.name} has an option of the group's own: {sorted(clash)}")
             command.params.extend(_after_the_command(p) for p in shared)
+
+    def get_params(self, ctx: _click.Context) -> list[_click.Parameter]:
+        params = super().get_params(ctx)  # with typer's completion options, added after __init__
+        _as_given(params)
+        return params
 
     def format_help(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
         formatter.write(_page(self, ctx))
