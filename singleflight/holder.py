@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from singleflight.core import fault, group, protocol
 from singleflight.core.const import EXPIRED, RELEASED
-from singleflight.core.errors import PearingError
+from singleflight.core.errors import NotHeld, PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.tokens import TokenFiles
@@ -292,16 +292,27 @@ class Holder:
     def finish(self, status: int | None) -> NoReturn:
         """COMMAND ended (or the CLI owner released): record, release, hand over."""
         fault.point("before-finish")
+        fault.pause("pause-before-finish")
+        failed: PearingError | None = None
         try:
             window = self.cfg.dedupe_window if self.cfg.request_uuid else None
             record_end(self.backend, self.lk, self.lease.ticket, status, window=window, success=self.cfg.record_success)
         except PearingError as exc:
-            # A failed run is retried anyway; a success that could not be recorded must
-            # not pass for one that was: pearing-run exits with this error, naming the path.
-            if status == 0 and self.chan is not None:
-                self.chan.send(protocol.error(exc.exit_code, str(exc)))
+            failed = exc
         reason = EndReason.COMMAND_ENDED.text() if status is None else EndReason.COMMAND_EXITED.text(status)
-        self.lease.end(RELEASED, reason)
+        try:
+            self.lease.end(RELEASED, reason)
+        except NotHeld:
+            raise  # the lease went before COMMAND's end was recorded: a loss (124), as ever
+        except PearingError as exc:
+            # The store took no write (a full disk, a read-only lock dir): COMMAND has ended
+            # all the same, so this is no lost lease (124) but the store's error. The token dies
+            # with this holder (the guard judges a dead holder's ticket dead) and is removed.
+            failed = failed or exc
+        if failed is not None and status == 0 and self.chan is not None:
+            # A failed run is retried anyway; a success whose end could not be recorded must
+            # not pass for one that was: pearing-run exits with this error, naming the path.
+            self.chan.send(protocol.error(failed.exit_code, str(failed)))
         fault.point("mid-release")
         self.finish_released()
 

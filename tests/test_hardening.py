@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from caps import Caps
-from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, proc_state, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, proc_state, q, ticket_records, wait_for
 
 from singleflight.core.const import ExitCode
 
@@ -400,6 +400,28 @@ def test_a_success_is_never_replayed_even_if_the_disk_fills_during_the_run(
         assert len(r.err_lines) == 1 and "lockdir" in r.err_lines[0], r
     with contextlib.suppress(FileNotFoundError):
         (small_fs / "filler").unlink()
+
+
+def test_a_disk_full_as_command_ends_is_the_stores_error_not_a_lost_lease(procs: Procs, small_fs: Path) -> None:
+    """The holder cannot end the ticket (the disk filled up after COMMAND succeeded, while the
+    holder was not looking): one line naming the lock dir and its code (73/74), never 124 as if
+    the lease had been lost; and once there is room again the lock is free, the next fence above.
+    (No request and no --min-interval: ending the ticket is the holder's first write.)"""
+    lock_dir = small_fs / "lockdir"
+    env = dict(procs.env, PEARING_LOCK_DIR=str(lock_dir), PEARING_FAULT="pause-before-finish")
+    run = procs.pr("--job", "full", "--", "true", env=env)
+    held = wait_for(lambda: ticket_records(lock_dir, "full"), 10, "the held ticket")
+    holder = int(held[0]["holder_pid"])
+    wait_for(lambda: proc_state(holder) == "T", 10, "the holder paused before it finishes")
+    filler = small_fs / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True, check=False)
+    os.kill(holder, signal.SIGCONT)
+    r = procs.finish(run)
+    filler.unlink()
+    assert r.returncode in (ExitCode.CANTCREAT, ExitCode.IOERR), r
+    assert len(r.err_lines) == 1 and str(lock_dir) in r.err_lines[0], r
+    after = procs.pr_run("--job", "full", "--", "sh", "-c", 'echo "$PEARING_FENCE"', env=dict(env, PEARING_FAULT=""))
+    assert after.returncode == 0 and after.stdout == b"2\n", after
 
 
 def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work: Path) -> None:
