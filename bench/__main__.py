@@ -94,11 +94,22 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
     # verify inside a live lease: copy the holder's token file path.
     token_file = next((tmp / "startup").glob("locks/default/@busy/tokens/*.token"))
     cases["pearing-guard verify"] = lambda: _time([GUARD, "verify", "--token-file", str(token_file)], env)
+    # What an agent pays for each beat: pearing-cli's start and one heartbeat of a held CLI ticket.
+    got = subprocess.run(
+        [CLI, "acquire-lock", "beat", "--request-key", "bench", "--lease-seconds", "600"],
+        env=env,
+        capture_output=True,
+        check=True,
+    )
+    beat_ticket = json.loads(got.stdout)["ticket_id"]
+    beat = [CLI, "heartbeat-lock-ticket", "beat", beat_ticket, "--lease-seconds", "600"]
+    cases["pearing-cli heartbeat"] = lambda: _time(beat, env)
     try:
         samples = _alternate(cases, rounds)
     finally:
         gate.touch()
         holder.wait(30)
+        subprocess.run([CLI, "release-lock-ticket", "beat", beat_ticket], env=env, capture_output=True, check=False)
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["python3 -c pass"]
     return {

@@ -23,6 +23,7 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     assert {"startup", "handover", "waiters", "expiry", "many_locks", "memory"} <= set(result)
+    assert "pearing-cli heartbeat" in result["startup"]["median_ms"], result["startup"]
     mem = result["memory"]
     # A held lock's pearing processes map at least an interpreter's worth of pages of their own.
     assert mem["locks"] == 3 and 1.0 < mem["pearing-run"]["pss_mib_per_lock"] < 100, mem
