@@ -49,9 +49,6 @@ def prune(lock_dir: LockDir, repo: str, lock: str, keep: Callable[[Idle], str | 
     fds: list[int] = []
     try:
         with store:
-            if store.dir.lstat("lock") is None:
-                # Never taken on this backend: another backend's token files live here (etcd's).
-                return "not a lock of the lock dir backend"
             for name, (busy, wait) in _FLOCKS.items():
                 fd = _flock(store, name, wait)
                 if fd is None:
