@@ -32,6 +32,7 @@ from singleflight.core.errors import BadValue
 from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
+    from singleflight.core.idle import Idle
     from singleflight.core.line import Line
     from singleflight.core.reasons import Loss
     from singleflight.core.request import Key
@@ -208,6 +209,13 @@ class Backend(Protocol):
     def locks(self, repo: str | None, *, idle: bool = False) -> list[tuple[str, str]]:
         """(scope, lock) of every lock with a ticket in line or holding (``idle``: of every lock
         the store keeps state for) in scope ``repo``, or in every scope (None); sorted."""
+
+    def prune(self, repo: str, lock: str, keep: Callable[[Idle], str | None], *, dry_run: bool) -> str | None:
+        """Remove the idle state of (``repo``, ``lock``) unless ``keep`` (the rules', asked once the
+        store has shut out every acquirer of that lock for a moment) says why not: that reason,
+        or None once removed (``dry_run``: would be). A lock in use is judged without waiting for
+        it. Its fence never goes back: a lock that comes back continues above its last one.
+        UnknownLock when the store keeps nothing of it (any more)."""
 
     # -- records: what they hold is the rules' (rules/requests.py, rules/records.py) -----------
     def read_record(self, key: Key) -> tuple[bytes | None, Any, str]:

@@ -23,6 +23,7 @@ from singleflight.cli._typer import HelpCommand, HelpGroup
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
+    DEFAULT_PRUNE_AGE,
     DEFAULT_SCOPE,
     ENV_BACKEND,
     ENV_FENCE,
@@ -257,6 +258,28 @@ def status(  # noqa: PLR0917 - typer maps each parameter to one flag
         if not watch:
             return
         time.sleep(every)
+
+
+@_command("prune")
+def prune_locks(
+    older_than: Annotated[
+        str,
+        typer.Option(
+            "--older-than", metavar="DURATION", help=f"unused at least this long (default {DEFAULT_PRUNE_AGE})"
+        ),
+    ] = DEFAULT_PRUNE_AGE,
+    repo: Annotated[
+        str | None, typer.Option("--repo", metavar="SCOPE", help="only this scope (default: every scope)")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would go, remove nothing")] = False,
+) -> None:
+    """Remove the state of idle locks: unused for --older-than, nobody holding or waiting, no request
+    in flight or inside its dedupe window. A lock used again continues above its last fence."""
+    age = names.duration(older_than, "--older-than", allow_zero=True)
+    scope = None if repo is None else names.scope(repo)
+    from singleflight.rules import prune
+
+    _emit(prune.prune(_backend(), scope, older_than=age, dry_run=dry_run))
 
 
 ScopeArg = Annotated[str, typer.Argument(metavar="REPO", help="scope, e.g. teams/platform/website")]

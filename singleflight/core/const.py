@@ -38,6 +38,9 @@ ENV_FAULT: Final = "PEARING_FAULT"
 
 DEFAULT_SCOPE: Final = "default"
 DEFAULT_LEASE_SECONDS: Final = 60.0
+# pearing-cli prune's --older-than: a week without use, longer than any daily or weekly job's
+# --min-interval; a job with a longer one needs a longer --older-than (docs/choices.md).
+DEFAULT_PRUNE_AGE: Final = "7d"
 DEFAULT_KILL_GRACE: Final = 10.0
 DEFAULT_DEDUPE_WINDOW: Final = 24 * 3600.0
 DEFAULT_GUARD_MAX_SECONDS: Final = 60.0

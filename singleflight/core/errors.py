@@ -48,6 +48,14 @@ class LockDirError(PearingError):
         super().__init__(f"{path}: {detail}")
 
 
+class Vanished(LockDirError):
+    """A directory inside the lock dir was removed while open (``pearing-cli prune`` took an idle
+    lock's): nothing can be created in it. The lock's owners open the path again and retry."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "removed meanwhile (pruned as idle); run again")
+
+
 class NotPermitted(PearingError):
     """A hostile or mis-permissioned lock dir, or a symlink planted in it."""
 

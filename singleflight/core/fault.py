@@ -11,7 +11,8 @@ a test starts a process there that is older than COMMAND yet younger than that w
 pause-agent-start (an agent of pearing-cli / MCP / ``Lock``, its interpreter up, right before
 it daemonises: an agent that a busy machine starts late), pause-before-finish (a holder whose
 COMMAND has ended, before it records the end and ends the ticket), pause-agent-ready (an agent that has taken the lock,
-right before it tells its owner: promoted as its owner's wait runs out).
+right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
+dir acquirer between opening the lock's file and its first flock: a prune may remove it then).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Final
 
 from singleflight.core.const import ENV_LOCK_DIR, MAX_FENCE, ROOT_LOCK_DIR
-from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotPermitted
+from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotPermitted, Vanished
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -175,10 +175,14 @@ class Dir:
                 os.mkdir(name, 0o700, dir_fd=self.fd)
             except FileExistsError:
                 pass
+            except FileNotFoundError:
+                raise Vanished(self.path) from None  # this directory itself is gone (pruned)
             except OSError as exc:
                 raise _os_error(path, exc) from None
             try:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+            except FileNotFoundError:
+                raise Vanished(path) from None  # made, and pruned at once
             except OSError as exc:
                 raise _os_error(path, exc) from None
         except OSError as exc:
@@ -187,11 +191,16 @@ class Dir:
 
     def walk(self, parts: list[str], *, create: bool = True) -> Dir:
         current = self
-        for part in parts:
-            nxt = current.sub(part, create=create)
+        try:
+            for part in parts:
+                nxt = current.sub(part, create=create)
+                if current is not self:
+                    current.close()
+                current = nxt
+        except BaseException:
             if current is not self:
                 current.close()
-            current = nxt
+            raise
         return current
 
     def open(self, name: str, flags: int, mode: int = 0o600) -> int:
@@ -200,6 +209,8 @@ class Dir:
         try:
             return os.open(name, flags | _FILE_FLAGS, mode, dir_fd=self.fd)
         except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise Vanished(self.path) from None  # O_CREAT fails only once the directory is gone
             raise
         except OSError as exc:
             raise _os_error(self.child_path(name), exc) from None
@@ -251,6 +262,8 @@ class Dir:
         self.unlink(tmp)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, mode, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise Vanished(self.path) from None
         except OSError as exc:
             raise _os_error(self.child_path(name), exc) from None
         try:
@@ -303,6 +316,18 @@ class Dir:
         except OSError as exc:
             raise _os_error(self.path, exc) from None
 
+    def rmdir(self, name: str) -> bool:
+        """Remove the empty directory ``name`` (never a symlink: rmdir refuses one); False when
+        it is not empty or not there, as when someone has just come to use it."""
+        _plain(self, name)
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise _os_error(self.child_path(name), exc) from None
+        return True
+
     def lstat(self, name: str) -> os.stat_result | None:
         _plain(self, name)
         try:
@@ -322,6 +347,20 @@ class Dir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def same_file(d: Dir, name: str, fd: int) -> bool:
+    """Does ``name`` in ``d`` still name the file open as ``fd``? After a flock, the
+    answer tells a lock on the current file from one on a file prune unlinked meanwhile
+    (its inode lives on while open, and a newcomer would lock a fresh one: two holders)."""
+    try:
+        here = os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise _os_error(d.child_path(name), exc) from None
+    mine = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def parse_int_record(path: str, data: bytes, *, low: int = 1, high: int = MAX_FENCE) -> int:

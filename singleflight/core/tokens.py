@@ -24,7 +24,7 @@ from singleflight.core.const import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
 )
-from singleflight.core.errors import BadValue, LockDirError, UsageError
+from singleflight.core.errors import BadValue, LockDirError, UsageError, Vanished
 from singleflight.core.fs import Dir, lock_parts, resolve_lock_dir
 from singleflight.core.record import loads, rfc3339
 from singleflight.core.ticket import Ticket
@@ -118,9 +118,18 @@ class TokenFiles:
             "lock_dir": self.lock_dir,
             **extra,
         }
-        d = self._tokens()
-        assert d is not None
-        d.write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+        for again in (False, True):
+            d = self._tokens()
+            assert d is not None
+            try:
+                d.write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+                break
+            except Vanished:
+                # Pruned as idle on this host (another backend's lock of the same name) between our
+                # open and our write: the path, made afresh. A store's own dir is never taken so.
+                if again or self._parts is None:
+                    raise
+                self.close()  # ours (``at``): the root goes too, and is walked to again
         return self.path(ticket.ticket_id)
 
     def remove(self, ticket_id: str) -> None:

@@ -19,6 +19,7 @@ from singleflight.core.const import (
     HELD,
     REQUEST_ACTIVE,
 )
+from singleflight.core.idle import Idle
 from singleflight.core.protocol import Taken
 from singleflight.core.request import (
     ACTIVITY_PREFIX,
@@ -325,6 +326,11 @@ class EtcdBackend:
             if kind.startswith("q/") or idle:
                 found.add((scope, name))
         return sorted(found)
+
+    def prune(self, repo: str, lock: str, keep: Callable[[Idle], str | None], *, dry_run: bool) -> str | None:
+        from singleflight.etcd import prune  # pearing-cli prune's, not pearing-run's
+
+        return prune.prune(self.cluster, repo, lock, keep, dry_run=dry_run)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
         return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)

@@ -331,8 +331,11 @@ def op_put(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
     return {"request_put": body}
 
 
-def op_delete(key: str) -> dict[str, Any]:
-    return {"request_delete_range": {"key": b64(key)}}
+def op_delete(key: str, *, prefix: bool = False) -> dict[str, Any]:
+    body = {"key": b64(key)}
+    if prefix:
+        body["range_end"] = prefix_end(key)
+    return {"request_delete_range": body}
 
 
 def op_txn(

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from singleflight.core import names, proc
+from singleflight.core import fault, names, proc
 from singleflight.core.const import (
     EXPIRED,
     HELD,
@@ -18,7 +18,8 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     WAITING,
 )
-from singleflight.core.errors import UnknownLock, UnknownTicket
+from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
+from singleflight.core.fs import same_file
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason, Loss
@@ -31,6 +32,7 @@ from singleflight.local.records import ActivityRecords, LockRecords
 from singleflight.local.store import LockDir, LockStore
 
 if TYPE_CHECKING:
+    from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
 
 
@@ -87,13 +89,29 @@ class LocalLock:
     # -- acquiring -------------------------------------------------------------------------
 
     def enter(self, ticket: Ticket) -> LocalPlace:
-        fd = self.store.open_lock_file()
-        if queue.try_flock(fd):
-            if not queue.live_entries(self.store):
-                return LocalPlace(self.store, ticket, fd, FlockGrip(fd))
-            # Free for a moment, but others are in line: they go first.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        return LocalPlace(self.store, ticket, fd, None)
+        store, again = self.store, False
+        while True:
+            try:
+                fd = store.open_lock_file()
+            except Vanished:
+                store.reopen()  # pruned as idle since we opened it: its path, made afresh
+                continue
+            if not again:
+                fault.pause("pause-lock-open")
+            again = True
+            if not queue.try_flock(fd):
+                return LocalPlace(store, ticket, fd, None)  # ``wait`` checks the file it gets
+            if same_file(store.dir, "lock", fd):
+                break
+            # Prune unlinked the file we opened (the lock was idle): a flock on it would be a
+            # second lock beside the newcomers' on the new file. Open the path again.
+            os.close(fd)
+            store.reopen()
+        if not queue.live_entries(store):
+            return LocalPlace(store, ticket, fd, FlockGrip(fd))
+        # Free for a moment, but others are in line: they go first.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return LocalPlace(store, ticket, fd, None)
 
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
@@ -297,6 +315,11 @@ class LocalBackend:
                 if idle or queue.live_entries(store) or LocalLock(self, store)._taken():
                     out.append((store.repo, store.lock))
         return sorted(out)
+
+    def prune(self, repo: str, lock: str, keep: Callable[[Idle], str | None], *, dry_run: bool) -> str | None:
+        from singleflight.local import prune  # pearing-cli prune's, not pearing-run's
+
+        return prune.prune(self.dir, repo, lock, keep, dry_run=dry_run)
 
     # -- records ---------------------------------------------------------------------------
 

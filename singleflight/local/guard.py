@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight.core import proc
-from singleflight.core.errors import LockDirError
+from singleflight.core.errors import LockDirError, Vanished
 from singleflight.core.tokens import Claim, Facts
 from singleflight.local.store import LockDir, LockStore
 
@@ -51,7 +51,11 @@ def hold_guard(claim: Claim) -> Iterator[bool]:
         yield False
         return
     with store:
-        fd = store.open_lock_file("guard.lock")
+        try:
+            fd = store.open_lock_file("guard.lock")
+        except Vanished:
+            yield False  # pruned as idle since we found it: no ticket of it to hold off
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             yield True

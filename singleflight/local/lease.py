@@ -4,7 +4,6 @@ gets bumped, a token minted, a lease renewed or ended.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import time
@@ -13,20 +12,19 @@ from contextlib import contextmanager
 
 from singleflight.core import fault, proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
-from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
 from singleflight.local.queue import WAITER_POKE
-from singleflight.local.store import LockStore
+from singleflight.local.store import LockStore, flocked
 
 
 @contextmanager
 def guard_exclusive(store: LockStore) -> Iterator[None]:
     """Wait for in-flight ``pearing-guard exec`` commands before ending a lease."""
-    fd = store.open_lock_file("guard.lock")
+    fd = flocked(store, "guard.lock")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -80,13 +78,18 @@ def housekeeping(store: LockStore, every: float = HOUSEKEEPING_EVERY) -> bool:
     holder's hand-over.
     """
     now = time.time()
+    if store.dir.lstat("lock") is None:
+        return False  # pruned as idle once we let go: nothing left to tidy, nothing to make again
     st = store.dir.lstat(".housekeeping")
     if st is not None and now - st.st_mtime < every:
         return False
-    store.dir.write_atomic(".housekeeping", b"", durable=False)
-    store.prune_ended(now)
-    store.prune_requests(now)
-    sweep_dead_waiters(store)
+    try:
+        store.dir.write_atomic(".housekeeping", b"", durable=False)
+        store.prune_ended(now)
+        store.prune_requests(now)
+        sweep_dead_waiters(store)
+    except Vanished:
+        return False  # pruned meanwhile: prune tidied up
     return True
 
 

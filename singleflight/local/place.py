@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault
 from singleflight.core.const import QUEUE_LATEST, WAITING
+from singleflight.core.fs import same_file
 from singleflight.core.ticket import Ticket
 from singleflight.local import lease, queue
 
@@ -90,9 +91,16 @@ class LocalPlace:
 
     def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
         assert self.waiter is not None
-        got = self.waiter.wait(self.fd, deadline)
-        if not got:
-            return None
+        while True:
+            if not self.waiter.wait(self.fd, deadline):
+                return None
+            # Our fd was opened before we were in line: if prune took the idle lock meanwhile,
+            # the flock we got is on its unlinked file. In line now, prune leaves the new one be.
+            if same_file(self.store.dir, "lock", self.fd):
+                break
+            os.close(self.fd)
+            self.fd = -1
+            self.fd = self.store.open_lock_file()
         fault.point("mid-promotion")
         self.grip = FlockGrip(self.fd)
         return self.grip

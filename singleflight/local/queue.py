@@ -165,11 +165,16 @@ class Waiter:
 
     def __init__(self, store: LockStore, ticket_id: str) -> None:
         self.store, self.ticket_id = store, ticket_id
-        self.qdir = store.sub("queue")
         self.name: str | None = None
         self.fd = -1
         self.seq = 0
         self.published: float | None = None
+
+    @property
+    def qdir(self) -> Dir:
+        # Asked each time, not kept: the store's directory is opened afresh if prune took it
+        # before we were in line (``LockStore.reopen``).
+        return self.store.sub("queue")
 
     def enqueue(self, deadline: float, *, seq: int | None = None) -> int:
         """Take the next place in line, or place ``seq`` (a superseded waiter's). Caller holds

@@ -32,9 +32,9 @@ class LockRecords:
     def read_record(self, name: str) -> tuple[bytes | None, Any, str]:
         d, file, _ = self._where(name)
         body = d.read(file)
-        return (None if body is not None and self._dead_claim(body) else body), body, d.child_path(file)
+        return (None if body is not None and self.dead_claim(body) else body), body, d.child_path(file)
 
-    def _dead_claim(self, body: bytes) -> bool:
+    def dead_claim(self, body: bytes) -> bool:
         """A request's claim whose run is gone: its claimant (or its ticket's process) is dead. On
         disk it stays until overwritten; it reads as none."""
         try:
@@ -54,10 +54,12 @@ class LockRecords:
         """Compare-and-swap under the lock's mutex. ``run`` and ``keep`` need nothing here: a
         dead run's claim reads as none, and housekeeping prunes a request after its window."""
         store = self.store
-        d, file, durable = self._where(name)
-        prepared = _prepared(file)
+        d: Dir | None = None
         try:
             with store.mutex():
+                # Found under the mutex: a lock pruned as idle before is opened afresh by it.
+                d, file, durable = self._where(name)
+                prepared = _prepared(file)
                 if seen is not ANY_VERSION and d.read(file) != seen:
                     return False
                 if body is None:
@@ -69,8 +71,8 @@ class LockRecords:
                     d.write_atomic(file, body, durable=durable)
             return True
         finally:
-            if body is not None:
-                d.unlink(prepared)
+            if body is not None and d is not None:
+                d.unlink(_prepared(file))
 
     def prepare_record(self, name: str, body: bytes) -> None:
         # Written (and fsynced) now, while there is room: at the end it is only renamed.

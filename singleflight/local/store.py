@@ -3,6 +3,7 @@
 LOCK_DIR/                      0700, owned by the user, never group/world-writable
   activity/IDENTITY            the identity's current activity text
   ledger.json                  highest fence per resource a target accepted (pearing-guard fence)
+  fence-floor                  the highest fence of every lock pruned as idle (pearing-cli prune)
   locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
     lock                       the kernel flock the holder keeps; never unlinked
     state.lock                 short mutex around read-modify-write of records
@@ -10,6 +11,7 @@ LOCK_DIR/                      0700, owned by the user, never group/world-writab
     holder                     the ticket id of the last holder (a hint for sweeping it)
     fence                      last fence issued, decimal, fsynced before any token;
                                if missing, the next continues above every record's fence
+                               and above LOCK_DIR/fence-floor (the highest fence prune retired)
     success                    the last successful start (--min-interval), with its fence
     tickets/ID.json            ticket records (token only as a sha256)
     tokens/ID.token            0600 JSON token file, only while held
@@ -26,12 +28,19 @@ from contextlib import contextmanager
 
 from singleflight.core import fault, names
 from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE
-from singleflight.core.errors import BadValue, CorruptRecord
-from singleflight.core.fs import Dir, lock_parts, parse_int_record
+from singleflight.core.errors import BadValue, CorruptRecord, Vanished
+from singleflight.core.fs import Dir, lock_parts, parse_int_record, same_file
 from singleflight.core.record import epoch, loads
 from singleflight.core.request import RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
+
+# The highest fence of the locks pruned as idle (local/prune.py): a lock without a fence file
+# continues above it, so a pruned lock that comes back never reissues a fence.
+FENCE_FLOOR = "fence-floor"
+# How often an owner opens a lock's path again after prune removed it underneath: each retry
+# follows a whole prune of the idle lock, so only a prune run in a tight loop costs more than one.
+_REOPEN_TRIES = 100
 
 
 class LockDir:
@@ -51,7 +60,21 @@ class LockDir:
         self.close()
 
     def lock_store(self, repo: str, lock: str, *, create: bool = True) -> LockStore:
-        return LockStore(self, repo, lock, self.root.walk(lock_parts(repo, lock), create=create))
+        return LockStore(self, repo, lock, self.walk(repo, lock, create=create))
+
+    def walk(self, repo: str, lock: str, *, create: bool = True) -> Dir:
+        """The lock's directory, opened down from the lock dir; made if ``create``."""
+        for _ in range(_REOPEN_TRIES):
+            try:
+                return self.root.walk(lock_parts(repo, lock), create=create)
+            except Vanished:
+                continue  # a scope dir pruned as we passed through it: from the top again
+        raise Vanished(self.root.child_path("/".join(lock_parts(repo, lock))))
+
+    def fence_floor(self) -> int:
+        """The highest fence prune retired (0: none)."""
+        data = self.root.read(FENCE_FLOOR)
+        return 0 if data is None else parse_int_record(self.root.child_path(FENCE_FLOOR), data, low=0)
 
     def iter_locks(self, repo: str | None = None) -> Iterator[LockStore]:
         """Every (repo, lock) in the lock dir, or in one scope."""
@@ -105,13 +128,24 @@ class LockStore:
         self._tokens: TokenFiles | None = None
 
     def close(self) -> None:
+        self.close_subs()
+        self.dir.close()
+
+    def close_subs(self) -> None:
         if self._tokens is not None:
             self._tokens.close()
             self._tokens = None
         for sub in self._subs.values():
             sub.close()
         self._subs.clear()
+
+    def reopen(self) -> None:
+        """Prune removed this lock's directory (it was idle) after we opened it: open its path
+        again, made afresh. Every reader goes through ``dir`` and ``sub``, so all see the new one."""
+        self.close_subs()
+        fresh = self.lock_dir.walk(self.repo, self.lock)
         self.dir.close()
+        self.dir = fresh
 
     def __enter__(self) -> LockStore:
         return self
@@ -122,19 +156,28 @@ class LockStore:
     def sub(self, name: str) -> Dir:
         d = self._subs.get(name)
         if d is None:
-            d = self._subs[name] = self.dir.sub(name)
+            try:
+                d = self.dir.sub(name)
+            except Vanished:
+                if os.fstat(self.dir.fd).st_nlink:
+                    raise  # only this subdirectory went (as prune emptied the lock): not a stand-in
+                # Pruned as idle since we opened it: a removed directory is empty and takes no new
+                # file, which is what its subdirectory is now (read: nothing; write: Vanished). An
+                # owner that must write takes the mutex, which opens the path afresh (``flocked``).
+                d = Dir(os.dup(self.dir.fd), self.dir.child_path(name))
+            self._subs[name] = d
         return d
 
     def open_lock_file(self, name: str = "lock") -> int:
-        """An fd on one of the flock files (never unlinked, so the inode is stable)."""
+        """An fd on one of the flock files. Unlinked only by prune, holding its flock, with the
+        lock idle; whoever takes a flock on one checks it is still the file (``flocked``)."""
         return self.dir.open(name, os.O_RDWR | os.O_CREAT, 0o600)
 
     @contextmanager
     def mutex(self) -> Iterator[None]:
         """Serialise read-modify-write of this lock's records (held for microseconds)."""
-        fd = self.open_lock_file("state.lock")
+        fd = flocked(self, "state.lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
@@ -175,7 +218,12 @@ class LockStore:
         The new value is on disk (fsynced, renamed, dir fsynced) before it is
         returned, so no token can ever carry a fence that a crash could reissue.
         """
-        current = max(self.read_fence(), floor)
+        data = self.dir.read("fence")
+        if data is None:
+            # A new lock, or one pruned as idle: above what prune retired, too.
+            current = max(self.highest_recorded_fence(), self.lock_dir.fence_floor(), floor)
+        else:
+            current = max(parse_int_record(self.dir.child_path("fence"), data), floor)
         if current >= MAX_FENCE:
             raise CorruptRecord(self.dir.child_path("fence"), f"holds the largest fence ({MAX_FENCE}); none can follow")
         fence = current + 1
@@ -321,3 +369,25 @@ class LockStore:
             if rec and not rec.active and (rec.expires_at or 0.0) < now:
                 removed += d.unlink(name)
         return removed
+
+
+def flocked(store: LockStore, name: str, op: int = fcntl.LOCK_EX) -> int:
+    """An fd on the flock file ``name``, flocked (``op``), and still the file that name
+    means: one that prune unlinked between our open and our flock is left for the new one
+    (locking the old inode would let a newcomer lock the new one too). The caller closes it."""
+    for _ in range(_REOPEN_TRIES):
+        try:
+            fd = store.open_lock_file(name)
+        except Vanished:
+            store.reopen()
+            continue
+        try:
+            fcntl.flock(fd, op)
+            if same_file(store.dir, name, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        store.reopen()
+    raise Vanished(store.dir.path)
