@@ -345,8 +345,21 @@ def cli_json(procs: Procs, *args: str) -> Any:
 
 
 def lock_status(procs: Procs, job: str, repo: str = "default") -> dict[str, Any]:
-    """``pearing-cli status JOB``'s entry for the lock; a lock the backend does not list is free."""
-    locks = cli_json(procs, "status", job, "--repo", repo)
+    """``pearing-cli status JOB``'s entry for the lock; a lock the backend does not list is free.
+
+    Read in this process, through the function ``pearing-cli status`` prints (``ops.status``),
+    on the backend and lock dir of the test's environment: tests poll it every 10 ms while a
+    run gets in line, and a pearing-cli per poll was a busy loop of interpreter starts that
+    slowed the very runs being waited for. test_cli.py checks the command prints the same."""
+    from singleflight import ops
+    from singleflight.backend import open_backend
+    from singleflight.core.const import ENV_BACKEND, ENV_LOCK_DIR
+
+    backend = open_backend(procs.env.get(ENV_BACKEND) or None, procs.env[ENV_LOCK_DIR])
+    try:
+        locks = json.loads(json.dumps(ops.status(backend, repo, job)))
+    finally:
+        backend.close()
     if not locks:
         return {"lock_name": job, "repo": repo, "state": "free", "holder": None, "waiters": []}
     [entry] = locks

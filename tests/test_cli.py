@@ -31,6 +31,7 @@ from helpers import (
     TextResult,
     backend_url,
     line_file,
+    lock_status,
     pid_alive,
     q,
     stored_blobs,
@@ -406,6 +407,11 @@ def test_status_lists_holder_and_waiters(backend: str, work_procs: Procs) -> Non
     one = _cli(work_procs, "status", _LOCK, "--repo", _REPO)
     assert one.returncode == 0, one
     assert [x["lock_name"] for x in one.json] == [_LOCK]
+    # The tests' own reading of a lock's status (helpers.lock_status, in-process) is what this
+    # prints, but for the lease left, read a moment later.
+    mine, printed = lock_status(work_procs, _LOCK, _REPO), one.json[0]
+    assert 0 <= printed["holder"].pop("lease_left") - mine["holder"].pop("lease_left") < 30, (mine, printed)
+    assert mine == printed
 
     # Without --repo: the default scope, like every other command.
     default = _cli(work_procs, "status")
