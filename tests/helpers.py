@@ -41,15 +41,20 @@ def q(value: object) -> str:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` every 10 ms; return its first truthy value, or fail the test."""
+    """Poll ``predicate`` every 10 ms; return its first truthy value, or fail the test.
+
+    A predicate that starts a process (a pearing-cli, 0.1 s of CPU) is asked at most half the
+    time: polled back to back it would keep a core busy, slowing the very runs it waits for."""
     deadline = time.monotonic() + timeout
     while True:
+        asked = time.monotonic()
         value = predicate()
         if value:
             return value
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(POLL)  # the poll interval of wait_for itself, never a wait on its own
+        time.sleep(max(POLL, now - asked))  # the poll interval of wait_for itself, never a wait on its own
 
 
 def read_line_file(path: Path) -> str | None:
@@ -365,6 +370,18 @@ def lock_status(procs: Procs, job: str, repo: str = "default") -> dict[str, Any]
     [entry] = locks
     assert isinstance(entry, dict)
     return entry
+
+
+def holder_pid(procs: Procs, job: str, wrapper: int, repo: str = "default") -> int:
+    """The detached holder's pid, once it has recorded itself: until then the line names who
+    waited, the wrapper (etcd's holder settles its record after COMMAND starts, off the hand-over)."""
+
+    def settled() -> int | None:
+        holder = lock_status(procs, job, repo)["holder"]
+        found = holder and holder.get("holder_pid")
+        return int(found) if found and found != wrapper else None
+
+    return int(wait_for(settled, 15, "the holder to record its pid"))
 
 
 def get_ticket(procs: Procs, job: str, ticket_id: str, repo: str = "default") -> dict[str, Any]:

@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, lock_status, q, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, holder_pid, lock_status, q, wait_for
 
 from singleflight.core.const import ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -32,18 +32,6 @@ def stamps(path: Path) -> dict[str, int]:
 def in_line(url: str, job: str) -> int:
     kvs, _ = Mutex(Client(url), "default", job).queue(keys_only=True)
     return len(kvs)
-
-
-def settled_holder_pid(procs: Procs, job: str, wrapper: int) -> int:
-    """The detached holder's pid, once it has recorded itself in the cluster."""
-
-    def pid() -> int | None:
-        out = procs.run_text([PEARING_CLI, "status", job, "--json"])
-        holder = out.json[0]["holder"] if out.returncode == 0 and out.json else None
-        found = holder and holder.get("holder_pid")
-        return int(found) if found and found != wrapper else None
-
-    return int(wait_for(pid, 15, "the holder to record its pid"))
 
 
 def time_passes(seconds: float, what: str) -> None:
@@ -111,7 +99,7 @@ def test_release_from_the_cli_lets_the_holder_stop_command_first(
     log, ready = work / "log", work / "ready"
     first = procs.pr("--job", job, "--kill-grace", "5", "--", "sh", "-c", _trapping_command(log, ready))
     wait_for(ready.exists, 15, "the first COMMAND")
-    settled_holder_pid(procs, job, first.pid)
+    holder_pid(procs, job, first.pid)
     waiter = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", stamp(log, "start2"))
     wait_for(lambda: in_line(on_etcd, job) >= 2, 15, "the waiter in line")
     ticket = procs.run_text([PEARING_CLI, "status", job, "--json"]).json[0]["holder"]["ticket_id"]
@@ -200,7 +188,7 @@ def test_an_env_only_token_dies_at_its_deadline_even_if_the_holder_is_frozen(
         "sh", "-c", f"{dump}; touch {q(ready)}; while :; do sleep 0.05; done",
     )  # fmt: skip
     wait_for(ready.exists, 15, "COMMAND")
-    holder = settled_holder_pid(procs, job, run.pid)
+    holder = holder_pid(procs, job, run.pid)
     token_env = dict(line.split("=", 1) for line in (work / "env").read_text().splitlines())
     verify_env = {k: v for k, v in procs.env.items() if not k.startswith("PEARING_")} | token_env
     live = procs.run_text([PEARING_GUARD, "verify"], env=verify_env)

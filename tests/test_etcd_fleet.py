@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from etcd_cluster import Cluster
-from helpers import PEARING_CLI, Gate, Procs, pid_alive, q, wait_for
+from helpers import PEARING_CLI, Gate, Procs, holder_pid, pid_alive, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -308,12 +308,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _holder_pid(procs: Procs, job: str) -> int | None:
-    out = procs.run_text([PEARING_CLI, "status", job, "--json"]).json
-    h = out[0]["holder"] if out else None
-    return int(h["holder_pid"]) if h and h.get("holder_pid") else None
-
-
 def _waiting_behind(procs: Procs, work: Path, job: str, etcd: Cluster, *cmd: str) -> tuple[Gate, Any, Any, int]:
     """A holds the lock on a gate; B waits behind it with ``cmd``: (A's gate, A, B, B's waiting holder)."""
     procs.env[ENV_BACKEND] = etcd.url
@@ -338,7 +332,7 @@ def test_a_waiting_run_hands_the_lock_to_the_holder_it_forked_while_waiting(
     gate.open()
     assert procs.finish(a).returncode == 0
     b_gate.wait_ready()
-    assert _holder_pid(procs, job) == standby
+    assert holder_pid(procs, job, b.pid) == standby
     b_gate.open()
     assert procs.finish(b).returncode == 0
     wait_for(lambda: not pid_alive(standby), 10, "B's holder to exit after the release")

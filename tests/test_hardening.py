@@ -7,7 +7,6 @@ of the host), so overlaps are measured, not argued.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pty
 import select
@@ -21,7 +20,19 @@ from pathlib import Path
 
 import pytest
 from caps import Caps
-from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, proc_state, q, ticket_records, wait_for
+from helpers import (
+    PEARING_CLI,
+    PEARING_GUARD,
+    PEARING_RUN,
+    Gate,
+    Procs,
+    holder_pid,
+    lock_status,
+    proc_state,
+    q,
+    ticket_records,
+    wait_for,
+)
 
 from singleflight.core.const import ExitCode
 
@@ -47,16 +58,6 @@ def intervals(log: Path) -> dict[str, tuple[float, float | None]]:
 
 def started(log: Path, name: str) -> bool:
     return log.exists() and f"{name} start" in log.read_text()
-
-
-def holder_pid(procs: Procs, job: str) -> int:
-    def find() -> int | None:
-        out = procs.run_text([PEARING_CLI, "status", job, "--json"])
-        locks = json.loads(out.stdout or "[]")
-        h = locks[0]["holder"] if locks else None
-        return int(h["holder_pid"]) if h and h.get("holder_pid") else None
-
-    return int(wait_for(find, 15, "the holder's pid in status"))
 
 
 def test_started_with_stdio_closed_the_holder_keeps_the_lock(backend: str, procs: Procs, work: Path) -> None:
@@ -107,7 +108,7 @@ def test_holder_fds_live_above_2_when_stdio_was_closed(procs: Procs, work: Path)
         stderr=subprocess.DEVNULL,
     )
     gate.wait_ready()
-    pid = holder_pid(procs, "c")
+    pid = holder_pid(procs, "c", p.pid)
     fds = {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
     assert all(fds[n] == "/dev/null" for n in (0, 1, 2)), fds
     assert any(target.endswith("/@c/lock") for n, target in fds.items() if n > 2), fds
@@ -124,7 +125,7 @@ def test_a_frozen_holder_woken_after_its_lease_never_lets_two_commands_run(
         *logged(log, "A", seconds=8, trap=2),
     )  # fmt: skip
     wait_for(lambda: started(log, "A"), 15, "A to start")
-    pid = holder_pid(procs, "f")
+    pid = holder_pid(procs, "f", a.pid)
     b = procs.pr("--job", "f", "--wait-seconds", "40", "--", *logged(log, "B", seconds=0))
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -270,7 +271,7 @@ def test_wrapper_and_holder_both_killed_is_two_faults_and_fencing_still_holds(
     script += f"echo $$ > {q(apid)}; exec sleep 60"
     a = procs.pr("--job", "dbl", "--lease-seconds", "2", "--", "sh", "-c", script)
     wait_for(lambda: apid.exists() and apid.read_text().strip(), 15, "A's COMMAND")
-    holder = holder_pid(procs, "dbl")
+    holder = holder_pid(procs, "dbl", a.pid)
     a.kill()
     a.wait()
     os.kill(holder, signal.SIGKILL)
@@ -297,9 +298,9 @@ def test_a_killed_holder_frees_the_lock_only_after_command_is_dead(backend: str,
     log = work / "log"
     a = procs.pr("--job", "k", "--kill-grace", "5", "--", *logged(log, "A", trap=2))
     wait_for(lambda: started(log, "A"), 15, "A to start")
-    pid = holder_pid(procs, "k")
+    pid = holder_pid(procs, "k", a.pid)
     b = procs.pr("--job", "k", "--wait-seconds", "40", "--", *logged(log, "B", seconds=0))
-    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "k", "--json"]).json[0]["waiters"], 15, "B to queue")
+    wait_for(lambda: lock_status(procs, "k")["waiters"], 15, "B to queue")
     os.kill(pid, signal.SIGKILL)
     assert procs.finish(a, timeout=60).returncode == ExitCode.LEASE_LOST
     assert procs.finish(b, timeout=60).returncode == 0
@@ -330,7 +331,7 @@ def test_a_suspended_waiter_keeps_its_place_only_until_its_own_deadline(procs: P
     holder = procs.pr("--job", "w", "--", "sh", "-c", gate.script())
     gate.wait_ready()
     w1 = procs.pr("--job", "w", "--wait-seconds", "2", "--", *logged(log, "W1", seconds=0))
-    wait_for(lambda: len(procs.run_text([PEARING_CLI, "status", "w", "--json"]).json[0]["waiters"]) == 1, 15, "W1")
+    wait_for(lambda: len(lock_status(procs, "w")["waiters"]) == 1, 15, "W1")
     os.kill(w1.pid, signal.SIGSTOP)  # ^Z
     try:
         w2 = procs.pr("--job", "w", "--wait-seconds", "30", "--", *logged(log, "W2", seconds=0))
@@ -353,7 +354,7 @@ def test_a_resumed_late_waiter_never_takes_a_free_lock(procs: Procs, work: Path)
     gate.wait_ready()
     launched = time.monotonic()
     w1 = procs.pr("--job", "r", "--wait-seconds", "3", "--", *logged(log, "W1", seconds=0))
-    wait_for(lambda: procs.run_text([PEARING_CLI, "status", "r", "--json"]).json[0]["waiters"], 15, "W1 to queue")
+    wait_for(lambda: lock_status(procs, "r")["waiters"], 15, "W1 to queue")
     os.kill(w1.pid, signal.SIGSTOP)
     try:
         gate.open()

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 from caps import Caps
-from helpers import PEARING_CLI, Gate, Procs, backend_url, cli_json, q, wait_for
+from helpers import PEARING_CLI, Gate, Procs, backend_url, cli_json, lock_status, q, wait_for
 from test_mcp import serve, server_args  # noqa: F401 - server_args is a fixture
 
 from singleflight.core.const import ExitCode
@@ -334,7 +334,7 @@ def test_the_readmes_recipe_a_promoted_waiter_skips_work_already_replied_for(
     first = procs.pr(*args, *skip, "--", "sh", "-c", handle, env=env)
     gate.wait_ready()
     second = procs.pr(*args, *skip, "--", "sh", "-c", f"touch {q(work / 'second-ran')}", env=env)
-    wait_for(lambda: cli_json(procs, "status", "thread-work.42", "--repo", REPO)[0]["waiters"], 15, "the waiter")
+    wait_for(lambda: lock_status(procs, "thread-work.42", REPO)["waiters"], 15, "the waiter")
     gate.open()
     assert procs.finish(first).returncode == 0
     assert procs.finish(second, timeout=60).returncode == 0
