@@ -82,7 +82,9 @@ class Place(Protocol):
     def queue(self, deadline: float) -> int:
         """Take a place at the end of the line, held at most until ``deadline`` (monotonic; later
         calls of ``wait``'s ``deadline`` may extend it); its 1-based position. A ticket whose
-        ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters and takes their place."""
+        ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters and takes their place.
+        A ticket with ``max_waiting`` joins only while fewer wait ahead of it, counted and joined
+        in one step (two arrivals at once never both pass the bound); else ``LineFull``."""
 
     def wait(self, deadline: Callable[[], float]) -> Grip | None:
         """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.

@@ -20,6 +20,7 @@ class RunOptions:
         "lock_dir",
         "log_format",
         "max_runtime",
+        "max_waiting",
         "metrics_dir",
         "min_interval",
         "queue",
@@ -54,6 +55,7 @@ class RunOptions:
         metrics_dir: str | None = None,
         queue: str = QUEUE_FIFO,
         cancel_in_progress: bool = False,
+        max_waiting: int | None = None,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
@@ -62,6 +64,7 @@ class RunOptions:
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
         self.min_interval, self.metrics_dir = min_interval, metrics_dir
         self.queue, self.cancel_in_progress = queue, cancel_in_progress
+        self.max_waiting = max_waiting
 
     job: str
     repo: str
@@ -84,3 +87,4 @@ class RunOptions:
     metrics_dir: str | None
     queue: str
     cancel_in_progress: bool
+    max_waiting: int | None

@@ -74,6 +74,8 @@ QUEUE_FIFO: Final = "fifo"
 QUEUE_LATEST: Final = "latest"
 QUEUE_MODES: Final = (QUEUE_FIFO, QUEUE_LATEST)
 SUPERSEDED: Final = "superseded by "
+# --max-waiting: how many may wait in a lock's line before a newcomer is turned away (busy).
+MAX_WAITING: Final = 10000
 
 # Request-uuid records: one run of a request is in flight (active) or ended.
 REQUEST_ACTIVE: Final = "active"

@@ -89,6 +89,17 @@ class UnknownLock(NotHeld):
         super().__init__("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}")
 
 
+class LineFull(PearingError):
+    """--max-waiting: the line already holds as many waiters as this arrival allows; it is turned
+    away at once (busy), never queued."""
+
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, waiting: int, bound: int) -> None:
+        self.waiting, self.bound = waiting, bound
+        super().__init__(f"line full: {waiting} waiting, at most {bound} may wait")
+
+
 class StaleFence(PearingError):
     exit_code = ExitCode.REFUSED
 

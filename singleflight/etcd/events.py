@@ -111,7 +111,7 @@ def _take_over(
     if own is not None:
         checks.append(cmp(own["key"], "MOD", "EQUAL", own["mod_revision"]))
     ops = [
-        op_range(mutex.q, prefix=True, count_only=True, max_create=target["create_revision"] - 1),
+        mutex.keys_before(target["create_revision"]),
         op_put(target["key"], body, lease),  # a put keeps the create revision: the place in line
     ]
     now, ends = time.time(), []
@@ -131,7 +131,7 @@ def _take_over(
     if not r.get("succeeded"):
         return _taken_already(mutex, me, lease, r)
     kv = dict(target, value=body, mod_revision=revision(r), lease=lease)
-    return kv, ranged(r, 0)[1]
+    return kv, len(ranged(r, 0)[0])
 
 
 def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> tuple[dict[str, Any] | None, int] | None:

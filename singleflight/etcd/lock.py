@@ -131,8 +131,13 @@ class Mutex:
         return None
 
     def count_ahead(self, rev: int) -> int:
-        r = self.cluster.txn([], [op_range(self.q, prefix=True, count_only=True, max_create=rev - 1)], [])
-        return ranged(r, 0)[1]
+        r = self.cluster.txn([], [self.keys_before(rev)], [])
+        return len(ranged(r, 0)[0])
+
+    def keys_before(self, rev: int) -> dict[str, Any]:
+        """The keys in line ahead of create revision ``rev`` (count them with ``len``: etcd's
+        ``count`` is the range's before the revision filter, so it would count everyone)."""
+        return op_range(self.q, prefix=True, keys_only=True, max_create=rev - 1)
 
     def first_now(self, kv: dict[str, Any]) -> bool:
         """Is our (existing) key first in line with no guard in flight? One txn, no write."""
@@ -164,12 +169,12 @@ class Mutex:
                 [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])],
                 [
                     op_put(kv["key"], body, lease),
-                    op_range(self.q, prefix=True, count_only=True, max_create=rev - 1),
+                    self.keys_before(rev),
                 ],
                 [op_range(kv["key"])],
             )
             if r.get("succeeded"):
-                return dict(kv, value=body, mod_revision=revision(r), lease=lease), ranged(r, 1)[1]
+                return dict(kv, value=body, mod_revision=revision(r), lease=lease), len(ranged(r, 1)[0])
             fresh = ranged(r, 0)[0]
             if not fresh or fresh[0]["create_revision"] != rev or ticket_id_of(fresh[0]["value"]) != owner:
                 return None, 0

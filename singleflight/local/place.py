@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault
 from singleflight.core.const import QUEUE_LATEST, WAITING
+from singleflight.core.errors import LineFull
 from singleflight.core.ticket import Ticket
 from singleflight.local import lease, queue
 
@@ -65,10 +66,11 @@ class LocalPlace:
         self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, queue.POKES)
         signal.signal(queue.WAITER_POKE, _on_poke)
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
-        superseded: list[Ticket] = []
         with store.mutex():
-            if self.ticket.queue_mode == QUEUE_LATEST:
-                superseded = self._supersede()
+            older = self._older_latest() if self.ticket.queue_mode == QUEUE_LATEST else []
+            if not older:  # taking an older `latest` waiter's place adds no waiter
+                self._admit()
+            superseded = self._supersede(older)
             place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
             self.waiter.enqueue(deadline, seq=place or None)
             if store.read_ticket(self.ticket.ticket_id) is None:
@@ -77,16 +79,30 @@ class LocalPlace:
             lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
         return self.waiter.position()
 
-    def _supersede(self) -> list[Ticket]:
+    def _older_latest(self) -> list[Ticket]:
+        me = self.ticket.ticket_id
+        return [
+            t for t in self.store.tickets() if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me
+        ]
+
+    def _admit(self) -> None:
+        """``--max-waiting``: the live waiters counted under the mutex every arrival joins under,
+        so two newcomers at the bound cannot both get in; the later one is turned away."""
+        bound = self.ticket.max_waiting
+        if bound is None:
+            return
+        mine = "." + self.ticket.ticket_id
+        waiting = sum(1 for name in queue.live_entries(self.store) if not name.endswith(mine))
+        if waiting >= bound:
+            raise LineFull(waiting, bound)
+
+    def _supersede(self, older: list[Ticket]) -> list[Ticket]:
         """Cancel the older ``latest`` waiters of this lock. Caller holds the mutex."""
-        store, me, now = self.store, self.ticket.ticket_id, time.time()
-        out = []
-        for t in store.tickets():
-            if t.state == WAITING and t.queue_mode == QUEUE_LATEST and t.ticket_id != me:
-                t.supersede(me, now)
-                store.write_ticket(t)
-                out.append(t)
-        return out
+        me, now = self.ticket.ticket_id, time.time()
+        for t in older:
+            t.supersede(me, now)
+            self.store.write_ticket(t)
+        return older
 
     def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
         assert self.waiter is not None
