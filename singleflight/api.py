@@ -156,6 +156,7 @@ class Lock:
         queue: str = QUEUE_FIFO,
         cancel_in_progress: bool = False,
         max_waiting: int | None = None,
+        slots: int = 1,
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
@@ -168,6 +169,7 @@ class Lock:
         self.queue = names.choice(queue, "queue", QUEUE_MODES)
         self.cancel_in_progress = bool(cancel_in_progress)
         self.max_waiting = None if max_waiting is None else names.max_waiting(max_waiting, "max_waiting")
+        self.slots = names.slots(slots, "slots")
         self.lock_dir = resolve_lock_dir(lock_dir)
         self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
         self.identity = identities.resolve(identity)
@@ -201,6 +203,7 @@ class Lock:
                 queue_mode=self.queue,
                 cancel_in_progress=self.cancel_in_progress,
                 max_waiting=self.max_waiting,
+                slots=self.slots,
                 stopped=stopped,
             )
             if out.code == ExitCode.BUSY:

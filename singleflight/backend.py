@@ -139,9 +139,10 @@ class LockOps(Protocol):
     def enter(self, ticket: Ticket) -> Place: ...
 
     # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
-    def holder_record(self) -> Ticket | None:
-        """The ticket first in line, as recorded now (its token may have died already). None:
-        nobody holds, or another client's key."""
+    def holder_records(self) -> list[Ticket]:
+        """The tickets holding, as recorded now (their tokens may have died already), lowest
+        fence first: the one first in line, or with ``--slots`` every slot's. Another client's
+        key is not a ticket: left out."""
 
     def end_superseded(
         self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float

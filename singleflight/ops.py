@@ -116,6 +116,7 @@ def acquire(
     queue_mode: str = QUEUE_FIFO,
     cancel_in_progress: bool = False,
     max_waiting: int | None = None,
+    slots: int = 1,
     stopped: Callable[[], bool] | None = None,
 ) -> tuple[Outcome, Channel | None]:
     """Take the lock or queue for it; one ticket per request uuid.
@@ -126,6 +127,7 @@ def acquire(
     ticket still waiting when the call returns stays this process's (see ``_kept``).
     ``stopped`` ends the wait early when it turns true (the ticket keeps waiting).
     ``max_waiting``: busy at once, the ticket cancelled (line full), when that many wait already.
+    ``slots``: how many may hold the lock at once (every live ticket of the lock says the same).
     """
     request_uuid = names.request_uuid(request_uuid)
     lk = backend.lock(names.scope(repo), names.lock_name(lock))
@@ -146,6 +148,7 @@ def acquire(
             cancel_in_progress=cancel_in_progress,
             kill_grace=0.0,
             max_waiting=None if max_waiting is None else names.max_waiting(max_waiting, "max_waiting"),
+            slots=names.slots(slots, "slots"),
         )
         _prune()
         t = lk.create(mine)

@@ -72,6 +72,7 @@ class Runner:
             cancel_in_progress=o.cancel_in_progress,
             kill_grace=o.kill_grace,
             max_waiting=o.max_waiting,
+            slots=o.slots,
         )
         try:
             return self._run()

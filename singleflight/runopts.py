@@ -27,6 +27,7 @@ class RunOptions:
         "repo",
         "request_uuid",
         "skip_if",
+        "slots",
         "verbose",
         "wait_seconds",
     )
@@ -56,6 +57,7 @@ class RunOptions:
         queue: str = QUEUE_FIFO,
         cancel_in_progress: bool = False,
         max_waiting: int | None = None,
+        slots: int = 1,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
@@ -64,7 +66,7 @@ class RunOptions:
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
         self.min_interval, self.metrics_dir = min_interval, metrics_dir
         self.queue, self.cancel_in_progress = queue, cancel_in_progress
-        self.max_waiting = max_waiting
+        self.max_waiting, self.slots = max_waiting, slots
 
     job: str
     repo: str
@@ -88,3 +90,4 @@ class RunOptions:
     queue: str
     cancel_in_progress: bool
     max_waiting: int | None
+    slots: int

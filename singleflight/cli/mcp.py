@@ -34,6 +34,7 @@ from singleflight.core.const import (
     ENV_BACKEND,
     MAX_ACTIVITY,
     MAX_SECONDS,
+    MAX_SLOTS,
     MAX_WAITING,
     MIN_LEASE_SECONDS,
     ExitCode,
@@ -174,6 +175,11 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             Field(ge=0, le=MAX_WAITING, description="Busy at once, never queued, if this many already wait."),
         ]
         | None = None,
+        slots: Annotated[
+            int,
+            Strict(),
+            Field(ge=1, le=MAX_SLOTS, description="How many may hold the lock at once; every holder agrees."),
+        ] = 1,
         ctx: Context,
     ) -> dict[str, Any]:
         beside = None
@@ -181,7 +187,7 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             where = functools.partial(mcp_progress.place, ops._call, repo, lock_name, request_uuid)
             beside = functools.partial(mcp_progress.report, ctx.report_progress, where, wait_seconds)
         args = (repo, lock_name, request_uuid, lease_seconds, wait_seconds)
-        work = functools.partial(ops.acquire, max_waiting=max_waiting)
+        work = functools.partial(ops.acquire, max_waiting=max_waiting, slots=slots)
         return await run_stoppable(work, *args, beside=beside)
 
     async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:

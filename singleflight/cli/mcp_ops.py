@@ -56,6 +56,7 @@ class Ops:
         wait_seconds: float,
         *,
         max_waiting: int | None = None,
+        slots: int = 1,
         stopped: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         """``stopped``: the call was cancelled (its client gone): stop waiting at once."""
@@ -64,6 +65,7 @@ class Ops:
         lease = names.lease_seconds(lease_seconds, "lease_seconds")
         wait = names.seconds(wait_seconds, "wait_seconds")
         bound = None if max_waiting is None else names.max_waiting(max_waiting, "max_waiting")
+        n = names.slots(slots, "slots")
         out, _ = self._call(
             lambda b: ops.acquire(
                 b,
@@ -78,6 +80,7 @@ class Ops:
                 # line. Once held, the ticket is the client's, kept by its heartbeats.
                 control=ops.CONTROL_WAIT,
                 max_waiting=bound,
+                slots=n,
                 stopped=stopped,
             )
         )

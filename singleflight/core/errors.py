@@ -100,6 +100,15 @@ class LineFull(PearingError):
         super().__init__(f"line full: {waiting} waiting, at most {bound} may wait")
 
 
+class SlotsMismatch(UsageError):
+    """A run whose --slots is not what the lock's live tickets use: the lock has one number of
+    slots at a time, or "at most N at once" would mean nothing."""
+
+    def __init__(self, asked: int, live: int) -> None:
+        self.asked, self.live = asked, live
+        super().__init__(f"slots {asked} differs from the {live} slot(s) the lock's live tickets use")
+
+
 class StaleFence(PearingError):
     exit_code = ExitCode.REFUSED
 

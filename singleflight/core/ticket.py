@@ -52,6 +52,8 @@ FIELDS = (
     "kill_grace",
     "superseded_by",
     "max_waiting",
+    "slots",
+    "slot",
 )
 _HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
 _TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
@@ -81,6 +83,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "kill_grace": (int, float),
     "superseded_by": (str,),
     "max_waiting": (int,),
+    "slots": (int,),
+    "slot": (int,),
 }
 
 _STATES: Final = frozenset({WAITING, HELD, RELEASED, EXPIRED, CANCELLED})
@@ -132,6 +136,8 @@ class Ticket:
         kill_grace: float | None = None,
         superseded_by: str | None = None,
         max_waiting: int | None = None,
+        slots: int | None = 1,
+        slot: int | None = None,
     ) -> None:
         self.ticket_id, self.request_uuid = ticket_id, request_uuid
         self.lock_name, self.repo, self.identity = lock_name, repo, identity
@@ -152,6 +158,9 @@ class Ticket:
         # --max-waiting: this arrival joins the line only while fewer than this many wait (None:
         # no bound); checked once, as it joins (``Place.queue``).
         self.max_waiting = max_waiting
+        # --slots: how many runs of the lock may hold at once (every live ticket of a lock says
+        # the same), and which of them this one holds (0..slots-1, PEARING_SLOT) once held.
+        self.slots, self.slot = slots or 1, slot
 
     ticket_id: str
     request_uuid: str
@@ -178,6 +187,8 @@ class Ticket:
     kill_grace: float | None
     superseded_by: str | None
     max_waiting: int | None
+    slots: int
+    slot: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELDS}

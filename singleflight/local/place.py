@@ -14,20 +14,21 @@ from singleflight.core import fault
 from singleflight.core.const import QUEUE_LATEST, WAITING
 from singleflight.core.errors import LineFull
 from singleflight.core.ticket import Ticket
-from singleflight.local import lease, queue
+from singleflight.local import lease, queue, slots
+from singleflight.local.slots import SlotSet
 
 if TYPE_CHECKING:
     from singleflight.local.store import LockStore
 
 
 class FlockGrip:
-    """The lock file's fd, flocked. One open file description, so one flock: the wrapper's
-    and the holder's copies (fork) keep the lock until both are closed."""
+    """The lock file's fd (or slot ``slot``'s file's), flocked. One open file description, so
+    one flock: the wrapper's and the holder's copies (fork) keep the lock until both are closed."""
 
     keep_every = None
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, fd: int, slot: int = 0) -> None:
+        self.fd, self.slot = fd, slot
 
     def fds(self) -> set[int]:
         return {self.fd}
@@ -54,8 +55,11 @@ def _on_poke(signum: int, frame: FrameType | None) -> None:
 
 
 class LocalPlace:
-    def __init__(self, store: LockStore, ticket: Ticket, fd: int, grip: FlockGrip | None) -> None:
+    def __init__(
+        self, store: LockStore, ticket: Ticket, fd: int, grip: FlockGrip | None, slots: SlotSet | None = None
+    ) -> None:
         self.store, self.ticket, self.fd, self.grip = store, ticket, fd, grip
+        self.slot_set = slots  # --slots N: the slot files, the head of the line waits for any of them
         self.waiter: queue.Waiter | None = None
         self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
 
@@ -68,6 +72,7 @@ class LocalPlace:
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
         with store.mutex():
             older = self._older_latest() if self.ticket.queue_mode == QUEUE_LATEST else []
+            slots.check(store, self.ticket)  # before the bound: a wrong --slots is a usage error
             if not older:  # taking an older `latest` waiter's place adds no waiter
                 self._admit()
             superseded = self._supersede(older)
@@ -106,10 +111,16 @@ class LocalPlace:
 
     def wait(self, deadline: Callable[[], float]) -> FlockGrip | None:
         assert self.waiter is not None
-        got = self.waiter.wait(self.fd, deadline)
+        got = self.waiter.wait(self.fd, deadline, self.slot_set)
         if not got:
             return None
         fault.point("mid-promotion")
+        if self.slot_set is not None:
+            assert self.slot_set.taken is not None
+            slot = self.slot_set.taken
+            self.fd = self.slot_set.keep_taken()
+            self.grip = FlockGrip(self.fd, slot)
+            return self.grip
         self.grip = FlockGrip(self.fd)
         return self.grip
 
@@ -127,4 +138,6 @@ class LocalPlace:
             self._mask = None
         if self.grip is None and self.fd >= 0:
             os.close(self.fd)
+        if self.grip is None and self.slot_set is not None:
+            self.slot_set.close()
         self.fd = -1

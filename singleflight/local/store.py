@@ -5,9 +5,11 @@ LOCK_DIR/                      0700, owned by the user, never group/world-writab
   ledger.json                  highest fence per resource a target accepted (pearing-guard fence)
   locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
     lock                       the kernel flock the holder keeps; never unlinked
+    slot.N                     --slots: slot N's flock (slot 0 is ``lock``); never unlinked
     state.lock                 short mutex around read-modify-write of records
     guard.lock                 shared by pearing-guard exec, exclusive on expiry/release
     holder                     the ticket id of the last holder (a hint for sweeping it)
+    holder.N                   --slots: the same, of slot N
     fence                      last fence issued, decimal, fsynced before any token;
                                if missing, the next continues above every record's fence
     success                    the last successful start (--min-interval), with its fence
@@ -170,7 +172,7 @@ class LockStore:
 
     def bump_fence(self, floor: int = 0) -> int:
         """Issue the next fence, above the fence file and above ``floor`` (a fence a record
-        shows). Caller holds the lock's flock, so no one else bumps.
+        shows). Caller holds the mutex (and a slot's flock), so no one else bumps.
 
         The new value is on disk (fsynced, renamed, dir fsynced) before it is
         returned, so no token can ever carry a fence that a crash could reissue.
@@ -260,10 +262,12 @@ class LockStore:
         """Remove ended tickets older than ``keep``, except the last holder's: its fence is
         what a lost fence file continues from."""
         d = self.sub("ended")
-        last = self.read_pointer("holder")
+        # Every slot's last holder (``holder``, ``holder.N`` with --slots).
+        pointers = [n for n in self.dir.listdir() if n == "holder" or n.startswith("holder.")]
+        last = {f"{t}.json" for t in map(self.read_pointer, pointers) if t is not None}
         removed = 0
         for name in d.listdir():
-            if last is not None and name == f"{last}.json":
+            if name in last:
                 continue
             st = d.lstat(name)
             if st is not None and st.st_mtime < now - keep:
