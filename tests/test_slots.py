@@ -259,3 +259,22 @@ async def test_mcp_acquire_lock_takes_slots(
         assert (a["state"], b["state"], third["state"]) == ("held", "held", "waiting")
         assert {a["slot"], b["slot"]} == {0, 1} and b["fence"] > a["fence"]
         await c.release_all()
+
+
+def test_a_lost_lease_stops_only_its_own_run(backend: str, procs: Procs, work: Path) -> None:
+    """Leases are per run: a slot's run that stops heartbeating loses its lease and is stopped
+    (124); the other slot's run goes on, and the freed slot goes to the waiter."""
+    log = work / "log"
+    gate = Gate(work)
+    flags = ("--job", "S", "--slots", "2")
+    steady = procs.pr(*flags, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    hung = procs.pr(*flags, "--heartbeat", "manual", "--lease-seconds", "2", "--kill-grace", "1", "--", "sleep", "60")
+    wait_for(lambda: (_status(procs, "S").get("slots") or {}).get("used") == 2, 15, "both slots held")
+    waiter = procs.pr(*flags, "--wait-seconds", "60", "--", *_contender(log, "w", 0))
+    r = procs.finish(hung, timeout=30)
+    assert r.returncode == ExitCode.LEASE_LOST, r
+    assert procs.finish(waiter, timeout=30).returncode == 0
+    assert steady.poll() is None, "the other slot's run was stopped"
+    gate.open()
+    assert procs.finish(steady).returncode == 0
