@@ -51,9 +51,7 @@ def acquire(
         return min(until, ticket_deadline())
 
     # Import what holding needs now, while we wait, not after the hand-over.
-    import hashlib  # noqa: F401
     import json  # noqa: F401
-    import secrets  # noqa: F401
     import select  # noqa: F401
 
     from singleflight import holder as _holder  # noqa: F401

@@ -34,17 +34,34 @@ _MAX_TOKEN_FILE = 65536
 
 
 def mint_token() -> str:
-    """The run's secret: 256 random bits. Only its holder learns it."""
-    import secrets  # here, not at the top: pearing-guard verify imports this module
-
-    return secrets.token_hex(32)
+    """The run's secret: 256 random bits from the kernel, as 64 hex digits. Only its holder
+    learns it. (``secrets.token_hex(32)`` is this, after importing ``random``, ``base64``,
+    ``hmac`` and OpenSSL: ~10 ms the holder spent before COMMAND could start.)"""
+    return os.urandom(32).hex()
 
 
 def token_hash(token: str) -> str:
-    # Here, not at the top: OpenSSL's binding costs a busy pearing-run ~3 ms it never needs.
-    import hashlib
+    """The token's SHA-256, as stored in its ticket. CPython's own SHA-256 imports in well under
+    a millisecond; hashlib loads OpenSSL (libcrypto), which every holder and guard paid before
+    COMMAND or the guarded write could start. Same digest either way (tests check it)."""
+    try:
+        from _sha256 import sha256  # type: ignore[import-not-found,unused-ignore]  # CPython <= 3.11
+    except ImportError:
+        try:
+            from _sha2 import sha256  # type: ignore[import-not-found,no-redef,unused-ignore]  # >= 3.12
+        except ImportError:
+            from hashlib import sha256  # type: ignore[assignment,unused-ignore]
+    return str(sha256(token.encode()).hexdigest())
 
-    return hashlib.sha256(token.encode()).hexdigest()
+
+def same_secret(a: str, b: str) -> bool:
+    """``a == b`` in time that does not depend on where they differ (a forger learns nothing
+    from timing). ``hmac.compare_digest`` is this function; importing ``hmac`` loads OpenSSL."""
+    try:
+        from _operator import _compare_digest  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        from hmac import compare_digest as _compare_digest  # type: ignore[no-redef,unused-ignore]
+    return bool(_compare_digest(a.encode(), b.encode()))
 
 
 class TokenFiles:

@@ -87,11 +87,9 @@ def pidfd(pid: int, stamp: int | None) -> int | None:
 def token_matcher(digest: str) -> Callable[[bytes], bool]:
     """Is a value the token whose hash is ``digest`` (the ticket keeps only the hash)? In
     constant time, as every comparison with a secret."""
-    import hmac
-
-    from singleflight.core.tokens import token_hash
+    from singleflight.core.tokens import same_secret, token_hash
 
     def matches(value: bytes) -> bool:
-        return hmac.compare_digest(token_hash(value.decode(errors="replace")), digest)
+        return same_secret(token_hash(value.decode(errors="replace")), digest)
 
     return matches

@@ -8,7 +8,7 @@ import os
 
 from singleflight.core import proc
 from singleflight.core.const import HELD, WAITING
-from singleflight.core.tokens import Facts
+from singleflight.core.tokens import Facts, same_secret
 from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of
@@ -27,7 +27,6 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
     line, with values). A token not in line is unknown, as the lock dir, which looks only
     among its live tickets, says too.
     """
-    import hmac
 
     el = Mutex(cluster, repo, lock)
     if ticket_id:
@@ -55,7 +54,7 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
         line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
         first, ended, last = line[:1], [], []
         # Constant-time compare: a forger learns nothing from timing.
-        mine = [kv for kv in line if (x := parse(kv["value"])) and hmac.compare_digest(x.token_hash or "", digest)]
+        mine = [kv for kv in line if (x := parse(kv["value"])) and same_secret(x.token_hash or "", digest)]
     fence_now = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
     if not mine:
         t = parse(ended[0]["value"]) if ended else None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import fcntl
-import hmac
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight.core import proc
 from singleflight.core.errors import LockDirError, Vanished
-from singleflight.core.tokens import Claim, Facts
+from singleflight.core.tokens import Claim, Facts, same_secret
 from singleflight.local.store import LockDir, LockStore
 
 
@@ -22,7 +21,7 @@ def facts(claim: Claim, digest: str) -> Facts:
         if claim.ticket_id:
             t = store.read_ticket(claim.ticket_id)
         else:
-            t = next((x for x in store.tickets() if hmac.compare_digest(x.token_hash or "", digest)), None)
+            t = next((x for x in store.tickets() if same_secret(x.token_hash or "", digest)), None)
         if t is None:
             return Facts(None)
         alive = t.boot_id == proc.boot_id() and proc.alive(t.holder_pid, t.holder_start)

@@ -5,7 +5,6 @@ the checks and every refusal's wording live here, so a refusal reads the same on
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ from singleflight.core.const import HELD, WAITING
 from singleflight.core.errors import BackendUnavailable, NotHeld
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
-from singleflight.core.tokens import Claim, Facts, Verdict, token_hash
+from singleflight.core.tokens import Claim, Facts, Verdict, same_secret, token_hash
 
 if TYPE_CHECKING:
     from singleflight.backend import Backend
@@ -46,7 +45,7 @@ def judge(claim: Claim, facts: Facts, digest: str | None = None) -> Verdict:
         return claim.refuse(NOT_YET_HELD, ticket_id=t.ticket_id)
     digest = digest or token_hash(claim.token)
     # Constant-time compare: a forger learns nothing from timing.
-    if t.token_hash is None or not hmac.compare_digest(t.token_hash, digest):
+    if t.token_hash is None or not same_secret(t.token_hash, digest):
         return claim.refuse(UNKNOWN, ticket_id="")
     if t.fence is not None and facts.fence_now is not None and facts.fence_now > t.fence:
         return claim.refuse(superseded(facts.fence_now), ticket_id=t.ticket_id, fence=t.fence)
