@@ -20,10 +20,24 @@ NAMES_WIDTH = 28  # "  --names METAVAR" is padded to here; the help starts two c
 
 
 class Option:
-    __slots__ = ("dest", "flag", "help", "metavar", "names")
+    """One option. ``default``, ``required`` and ``multiple`` (given again: one more value) are
+    pearing-cli's; the hot commands' parser takes the last value given."""
 
-    def __init__(self, *names: str, dest: str, flag: bool = False, help: str = "", metavar: str = "") -> None:
+    __slots__ = ("default", "dest", "flag", "help", "metavar", "multiple", "names", "required")
+
+    def __init__(
+        self,
+        *names: str,
+        dest: str,
+        flag: bool = False,
+        help: str = "",
+        metavar: str = "",
+        default: str | None = None,
+        required: bool = False,
+        multiple: bool = False,
+    ) -> None:
         self.names, self.dest, self.flag, self.help, self.metavar = names, dest, flag, help, metavar
+        self.default, self.required, self.multiple = default, required, multiple
 
     @property
     def label(self) -> str:

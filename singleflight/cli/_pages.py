@@ -179,10 +179,11 @@ def _cli() -> Page:
     import typer
     from typer.core import TyperGroup
 
-    from singleflight.cli import _typer, main
+    from singleflight.cli import _typer, app
+    from singleflight.cli.commands import PROG
 
-    group = typer.main.get_command(main.app)
-    root = group.make_context(main.PROG, [], resilient_parsing=True)
+    group = typer.main.get_command(app.app)
+    root = group.make_context(PROG, [], resilient_parsing=True)
     assert isinstance(group, TyperGroup)
     subs = []
     for name, command in group.commands.items():
@@ -198,7 +199,7 @@ def _cli() -> Page:
             )
         )
     return Page(
-        main.PROG,
+        PROG,
         _typer.synopsis(group, root),
         _typer.summary(group),
         _typer.options(group.get_params(root)),
