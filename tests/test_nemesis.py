@@ -1267,8 +1267,10 @@ def test_killed_waiter_stops_blocking_within_5_s(
     assert codes["w2"] == 0, "the waiter behind a killed one never got the lock"
     h, w2 = sorted(solo.watcher.steps, key=lambda s: s.start_ns)
     # w2 runs once h is done and the killed waiter no longer blocks: within 5 s of the kill,
-    # or at once after h if h held longer than that.
-    assert (w2.start_ns - max(killed_ns + 5_000_000_000, h.stop_ns)) / 1e9 < 0.5, (killed_ns, h, w2)
+    # or at once after h if h held longer than that. "At once" is a hand-over, which took 1.7 s
+    # in a CI run at a load of 6 on 2 cores (0.5 s failed it); a waiter blocked until a 60 s
+    # lease ran out would start ~55 s late.
+    assert (w2.start_ns - max(killed_ns + 5_000_000_000, h.stop_ns)) / 1e9 < 2.0, (killed_ns, h, w2)
 
 
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
