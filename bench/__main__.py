@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import memory
+from bench import memory, stages
 
 BIN = Path(sys.executable).parent
 PY = sys.executable
@@ -444,6 +444,8 @@ def _table(r: dict[str, Any]) -> str:
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
     lines += memory.table(r["memory"])
+    st = r.get("stages")
+    lines += ["", stages.table(st).rstrip()] if st else ["", "== stages: skipped (needs strace) =="]
     return "\n".join(lines) + "\n"
 
 
@@ -464,6 +466,7 @@ def main() -> int:
             "many_locks": many_locks(tmp, 200 if q else 10000),
             "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
             "memory": memory.memory(tmp, 3 if q else 10, _env(tmp / "memory")),
+            "stages": stages.stages(1 if q else 10),
         }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,7 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     assert result["expiry"]["token_refused_in_term_trap"] == "3/3"
     assert result["many_locks"]["status_listed"] == 200
     assert "hand-over, chains of 5 waiters" in r.stdout
+    if shutil.which("strace"):  # stage stamps: each stage found in the trace, none negative
+        for run in ("uncontended", "handover"):
+            assert all(ms >= 0 for ms in result["stages"][run].values()), result["stages"]
+        assert "holder forked to fence durable (fsyncs)" in result["stages"]["handover"], result["stages"]
