@@ -379,6 +379,39 @@ def test_a_waiter_whose_agent_starts_late_keeps_its_place(backend: str, procs: P
     assert [f["fence"] > 0 for f in facts(r.stdout)] == [True], r
 
 
+def test_an_owner_killed_before_its_agent_is_in_line_leaves_no_ticket_behind(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """The Lock's owner dies while its agent is still starting (frozen right before it
+    daemonises): once the agent runs, it finds its owner gone and ends the ticket within a
+    second or so, not when a lease runs out (an hour here). It never takes the lock."""
+    gate, holder = _held_gate(procs, work)
+    waiter = procs.start(
+        script(f"""
+            with Lock("J", lease_seconds={LONG_LEASE}, wait_seconds=30):
+                say(ran=True)
+        """),
+        env={**procs.env, "PEARING_FAULT": "pause-agent-start"},
+    )
+    agent = wait_for(lambda: _stopped_agents(procs.marker)[:1], 15, "the agent to stop at its start")[0]
+    assert lock_status(procs, "J")["waiters"], "the ticket is in line before its agent runs"
+    waiter.kill()
+    assert procs.finish(waiter).returncode == -signal.SIGKILL
+    os.kill(agent, signal.SIGCONT)
+    resumed = time.monotonic()
+
+    def no_ticket_left() -> bool:
+        st = lock_status(procs, "J")
+        return not st["waiters"] and st["holder"] is not None and st["holder"]["ticket_id"] != ""
+
+    wait_for(no_ticket_left, 15, "the orphaned ticket to leave the line")
+    took = time.monotonic() - resumed
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    _free_soon(procs)
+    assert took < 5.0, f"the agent took {took:.1f} s to end its orphaned ticket"
+
+
 def test_a_waiter_promoted_as_its_wait_runs_out_holds_with_its_token(backend: str, procs: Procs, work: Path) -> None:
     """The agent took the lock right as its owner's wait ran out, and tells it a moment later
     (frozen at a pause point between the two): the block runs under its fence, never a
