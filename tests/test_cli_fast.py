@@ -129,6 +129,7 @@ import sys
 from singleflight.cli.main import main
 code = main(sys.argv[1:])
 sys.stderr.write("typer loaded: %s\\n" % ("typer" in sys.modules))
+sys.stderr.write("subprocess loaded: %s\\n" % ("subprocess" in sys.modules))
 sys.exit(code)
 """
 
@@ -137,23 +138,25 @@ REPLY = ["create-reply", "r", "1", "--kind", "k", "--body", "b", "--link", "a:1"
 
 
 @pytest.mark.parametrize(
-    ("argv", "code", "typer"),
+    ("argv", "code", "typer", "spawns"),
     [
-        (["status", "--json"], ExitCode.OK, False),
-        (["--identity", "a@b", "acquire-lock", "x", "--request-key", "k", "--lease-seconds", "9"], ExitCode.OK, False),
-        (["heartbeat-lock-ticket", "x", "--lease-seconds", "9"], ExitCode.USAGE, False),  # no TICKET_ID: one line
-        (REPLY, ExitCode.OK, False),
-        (["status", "--bogus"], ExitCode.USAGE, True),
-        (["acquire-lock"], ExitCode.USAGE, True),
+        (["status", "--json"], ExitCode.OK, False, False),
+        (["--identity", "a@b", "acquire-lock", "x", "--request-key", "k"], ExitCode.OK, False, True),
+        (["heartbeat-lock-ticket", "x", "--lease-seconds", "9"], ExitCode.USAGE, False, False),  # no TICKET_ID
+        (REPLY, ExitCode.OK, False, False),
+        (["status", "--bogus"], ExitCode.USAGE, True, None),
+        (["acquire-lock"], ExitCode.USAGE, True, None),
     ],
     ids=["status", "acquire", "heartbeat-no-ticket", "reply", "unknown-option", "missing-name"],
 )
 def test_the_seed_commands_run_without_typer_and_usage_errors_still_come_from_it(
-    procs: Procs, argv: list[str], code: int, typer: bool
+    procs: Procs, argv: list[str], code: int, typer: bool, spawns: bool | None
 ) -> None:
+    """And only acquire-lock, which starts an agent, loads subprocess (with threading's kin)."""
     r = procs.run([sys.executable, "-c", START, *argv])
-    *said, loaded = r.stderr.decode().splitlines()
+    *said, loaded, spawner = r.stderr.decode().splitlines()
     assert (r.returncode, loaded) == (code, f"typer loaded: {typer}"), r
+    assert spawns is None or spawner == f"subprocess loaded: {spawns}", r
     assert len(said) == (0 if code == ExitCode.OK else 1), r
     if argv[0] == "create-reply":
         tree = procs.run([PEARING_CLI, "get-thread-tree", "r", "1"])
