@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from singleflight.core import fault
 from singleflight.core.const import CANCELLED
 from singleflight.core.errors import LineFull, PearingError
 from singleflight.core.reasons import EndReason
@@ -63,12 +64,15 @@ def acquire(
     asked = None
     try:
         try:
-            position = place.queue(deadline())
+            # Asked by the backend, not here: a run's ticket is written as it joins (the lock
+            # dir's ``queue``), and before that its lease reads as ended, 0.
+            position = place.queue(deadline)
         except LineFull:
             # Ended while its key is still in line (etcd): the end record says why, not a lapse.
             with contextlib.suppress(PearingError):
                 lk.end(ticket.ticket_id, CANCELLED, EndReason.LINE_FULL, only_if_held=False)
             raise
+        fault.pause("pause-queued")
         on_queued(position)
         # Asked once we are in line: a holder acts only on a request whose newcomer waits there.
         asked = events.ask(lk, ticket, holder) if holder is not None else None

@@ -3,17 +3,22 @@ at once (busy), on every front end; the ones already in line keep their places a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import anyio
 import pytest
-from helpers import PEARING_CLI, Gate, Procs, q, wait_for, wait_queued
+from helpers import PEARING_CLI, Gate, Procs, proc_state, q, wait_for, wait_queued
 from test_mcp import serve, server_args  # noqa: F401 - server_args is a fixture
 
-from singleflight.core.const import ExitCode
+from singleflight.core.const import ENV_FAULT, ExitCode
 
 
 def _ran(path: Path) -> list[str]:
@@ -77,13 +82,19 @@ def test_newcomers_arriving_together_never_pass_the_bound(backend: str, procs: P
     gate = Gate(work)
     holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
     gate.wait_ready()
-    flags = ("--job", "J", "--wait-seconds", "60", "--max-waiting", str(bound), "--")
+    flags = ("-v", "--job", "J", "--wait-seconds", "60", "--max-waiting", str(bound), "--")
     runs = [procs.pr(*flags, *_mark(ran, f"r{i}")) for i in range(8)]
 
     def settled() -> bool:
         return sum(p.poll() is not None for p in runs) >= len(runs) - bound
 
-    wait_for(settled, 30, f"{len(runs) - bound} turned away")
+    why = ""
+    try:
+        wait_for(settled, 30, f"{len(runs) - bound} turned away")
+    except pytest.fail.Exception as exc:
+        why = f"{exc}\n{_what_they_do(procs, runs)}"  # one more waiter than the bound, or one stuck?
+    if why:
+        pytest.fail(why)
     assert len(_status(procs, "J")["waiters"]) == bound  # type: ignore[arg-type]
     busy = [r for r in runs if r.poll() is not None]
     assert all(r.returncode == ExitCode.BUSY for r in busy), [r.returncode for r in busy]
@@ -92,6 +103,34 @@ def test_newcomers_arriving_together_never_pass_the_bound(backend: str, procs: P
     for r in runs:
         procs.finish(r, timeout=60)
     assert len(_ran(ran)) == bound, _ran(ran)
+
+
+@pytest.mark.local_only("a queue entry's deadline is the lock dir's (an etcd key in line lives on its lease)")
+def test_a_run_just_in_line_counts_and_keeps_its_turn_before_its_wait_begins(procs: Procs, work: Path) -> None:
+    """A run stopped right after it joined the line (``pause-queued``), before its wait's first
+    pass: newcomers count it against --max-waiting, and it keeps its place. (Its entry was once
+    published with the deadline of a ticket not yet written, 0: stale to everyone until that
+    first pass, so under load a newcomer got in past the bound, or ahead of it.)"""
+    ran = work / "ran"
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    flags = ("--job", "J", "--wait-seconds", "60")
+    first = procs.pr(
+        *flags, "--max-waiting", "1", "--", *_mark(ran, "first"), env={**procs.env, ENV_FAULT: "pause-queued"}
+    )
+    wait_for(lambda: proc_state(first.pid) == "T", 15, "the first run to stop just in line")
+    late = procs.pr_run("-v", *flags, "--max-waiting", "1", "--", *_mark(ran, "late"))
+    assert late.returncode == ExitCode.BUSY and late.elapsed < 2.0, late
+    assert any("reason=line full: 1 waiting, at most 1 may wait" in x for x in late.err_lines), late
+    later = procs.pr(*flags, "--", *_mark(ran, "later"))  # no bound: it waits behind the first
+    wait_queued(procs, "J", 2)
+    os.kill(first.pid, signal.SIGCONT)
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.finish(first, timeout=60).returncode == 0
+    assert procs.finish(later, timeout=60).returncode == 0
+    assert _ran(ran) == ["first", "later"]
 
 
 def test_acquire_lock_and_lock_are_turned_away_with_the_ticket_saying_why(
@@ -150,6 +189,35 @@ async def test_mcp_acquire_lock_takes_max_waiting(
         assert "bad max_waiting -1: must be an integer from 0 to 10000 in ASCII digits" in message, message
     gate.open()
     assert procs.finish(holder).returncode == 0
+
+
+def _what_they_do(procs: Procs, runs: list[subprocess.Popen[bytes]]) -> str:
+    """Why a line did not settle (a waiter past the bound, or a run that never left): each run's
+    state and what it said so far, the queue dir's entries with the deadlines in them (lock dir),
+    and the waiters ``status`` lists."""
+    lines = []
+    for i, r in enumerate(runs):
+        said = b""
+        if r.stderr is not None:  # what it said so far, without waiting for more
+            os.set_blocking(r.stderr.fileno(), False)
+            with contextlib.suppress(OSError, TypeError):
+                said = r.stderr.read() or b""
+            os.set_blocking(r.stderr.fileno(), True)
+        where = ""
+        if r.poll() is None:
+            with contextlib.suppress(OSError):
+                where = f" state={proc_state(r.pid)} wchan={Path(f'/proc/{r.pid}/wchan').read_text()}"
+        lines.append(f"r{i} pid={r.pid} exit={r.poll()}{where} stderr={said.decode(errors='replace').strip()!r}")
+    qdir = procs.lock_dir / "locks" / "default" / "@J" / "queue"
+    if qdir.is_dir():
+        lines.append(f"queue dir at monotonic {time.monotonic():.6f}:")
+        for entry in sorted(qdir.iterdir()):
+            with contextlib.suppress(OSError):
+                lines.append(f"  {entry.name}: {entry.read_text().strip()!r}")
+    with contextlib.suppress(Exception):
+        waiters: list[dict[str, object]] = _status(procs, "J")["waiters"]  # type: ignore[assignment]
+        lines.append(f"status waiters (pid, position): {[(w['holder_pid'], w['queue_position']) for w in waiters]}")
+    return "\n".join(lines)
 
 
 def _status(procs: Procs, job: str) -> dict[str, object]:

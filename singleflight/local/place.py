@@ -65,7 +65,7 @@ class LocalPlace:
         self.waiter: queue.Waiter | None = None
         self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
 
-    def queue(self, deadline: float) -> int:
+    def queue(self, deadline: Callable[[], float]) -> int:
         store = self.store
         # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
         # poke us: held back until the wait's kernel call, where it is handled.
@@ -79,9 +79,13 @@ class LocalPlace:
                 self._admit()
             superseded = self._supersede(older)
             place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
-            self.waiter.enqueue(deadline, seq=place or None)
             if store.read_ticket(self.ticket.ticket_id) is None:
                 store.write_ticket(self.ticket)
+            # Asked once the ticket is written: before, a run's lease reads as ended (0), and an
+            # entry published with 0 is stale from birth, to newcomers a waiter frozen past its
+            # deadline, until the wait's first pass. A newcomer arriving meanwhile (a loaded host
+            # keeps it open) got in line past --max-waiting, or ahead of us.
+            self.waiter.enqueue(deadline(), seq=place or None)
         for t in superseded:
             lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
         return self.waiter.position()
