@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from singleflight.core import fault
 from singleflight.core.const import CANCELLED
-from singleflight.core.errors import PearingError
+from singleflight.core.errors import LineFull, PearingError
+from singleflight.core.reasons import EndReason
 from singleflight.rules import events
 
 if TYPE_CHECKING:
@@ -35,7 +37,9 @@ def acquire(
     request back, or, if the holder acted on it already, keeps its place until that run is
     gone (``rules.events``). ``ticket.queue_mode`` ``latest`` replaces the older ``latest``
     waiters (the backend's ``queue``). None when busy or when the wait ran out; the ticket is
-    then ended as cancelled with ``timeout_reason`` (unless it was superseded).
+    then ended as cancelled with ``timeout_reason`` (unless it was superseded). ``LineFull``
+    when the line held ``ticket.max_waiting`` waiters as it arrived (the backend counts and
+    joins in one step); the ticket is ended as cancelled, line full, before it is raised.
     """
     place = lk.enter(ticket)
     if place.grip is not None:
@@ -59,7 +63,17 @@ def acquire(
     grip = None
     asked = None
     try:
-        on_queued(place.queue(deadline()))
+        try:
+            # Asked by the backend, not here: a run's ticket is written as it joins (the lock
+            # dir's ``queue``), and before that its lease reads as ended, 0.
+            position = place.queue(deadline)
+        except LineFull:
+            # Ended while its key is still in line (etcd): the end record says why, not a lapse.
+            with contextlib.suppress(PearingError):
+                lk.end(ticket.ticket_id, CANCELLED, EndReason.LINE_FULL, only_if_held=False)
+            raise
+        fault.pause("pause-queued")
+        on_queued(position)
         # Asked once we are in line: a holder acts only on a request whose newcomer waits there.
         asked = events.ask(lk, ticket, holder) if holder is not None else None
         grip = place.wait(deadline)

@@ -34,7 +34,7 @@ from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import fault, protocol
 from singleflight.core.const import CANCELLED, WAITING, ExitCode
-from singleflight.core.errors import PearingError
+from singleflight.core.errors import LineFull, PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
@@ -97,14 +97,17 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         # Asked whenever the wait wakes: the watcher's stop() wakes it once the owner is gone.
         return 0.0 if owner is not None and owner.gone else tickets.waiting_deadline(lk, ticket_id)
 
-    grip = acquire(
-        lk,
-        ticket,
-        until=math.inf,
-        ticket_deadline=deadline,
-        on_queued=on_queued,
-        timeout_reason=EndReason.WAITING_LEASE_EXPIRED,
-    )
+    try:
+        grip = acquire(
+            lk,
+            ticket,
+            until=math.inf,
+            ticket_deadline=deadline,
+            on_queued=on_queued,
+            timeout_reason=EndReason.WAITING_LEASE_EXPIRED,
+        )
+    except LineFull:
+        grip = None  # its ticket ended as turned away: the owner reads why from it
     gone = owner is not None and owner.settle()
     if grip is None:
         chan.send(protocol.Message(protocol.ENDED))

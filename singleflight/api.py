@@ -40,6 +40,7 @@ from singleflight.core.const import (
     HEARTBEAT_MODES,
     QUEUE_FIFO,
     QUEUE_MODES,
+    WAITING,
     ExitCode,
 )
 from singleflight.core.errors import NotHeld, PearingError, UsageError
@@ -55,7 +56,7 @@ _RELEASE_WAIT = 30.0
 
 class Busy(PearingError):
     """The wait ran out. ``ticket`` is the ticket as it stands: ``waiting`` when kept, else
-    ``cancelled``.
+    ``cancelled`` (its ``end_reason`` ``line full`` when ``max_waiting`` turned it away).
 
     With a ``request_uuid`` of the caller's, it keeps its FIFO place for its lease, as
     ``pearing-cli acquire-lock``'s exit 75 does: a retry with the same uuid resumes it
@@ -154,6 +155,8 @@ class Lock:
         identity: str | None = None,
         queue: str = QUEUE_FIFO,
         cancel_in_progress: bool = False,
+        max_waiting: int | None = None,
+        slots: int = 1,
     ) -> None:
         self.name = names.lock_name(name)
         self.repo = names.scope(repo)
@@ -165,6 +168,8 @@ class Lock:
         self.heartbeat = names.choice(heartbeat, "heartbeat", HEARTBEAT_MODES)
         self.queue = names.choice(queue, "queue", QUEUE_MODES)
         self.cancel_in_progress = bool(cancel_in_progress)
+        self.max_waiting = None if max_waiting is None else names.max_waiting(max_waiting, "max_waiting")
+        self.slots = names.slots(slots, "slots")
         self.lock_dir = resolve_lock_dir(lock_dir)
         self.backend = backend_url(backend, os.environ.get(ENV_BACKEND))
         self.identity = identities.resolve(identity)
@@ -197,6 +202,8 @@ class Lock:
                 control=self.heartbeat,
                 queue_mode=self.queue,
                 cancel_in_progress=self.cancel_in_progress,
+                max_waiting=self.max_waiting,
+                slots=self.slots,
                 stopped=stopped,
             )
             if out.code == ExitCode.BUSY:
@@ -205,7 +212,8 @@ class Lock:
                     # Nobody could resume it: cancelled, and Busy shows it so (not "waiting").
                     with contextlib.suppress(PearingError):
                         ticket = ops.release(backend, self.name, self.repo, out.ticket["ticket_id"])
-                raise Busy(ticket, kept=self._own_uuid)
+                # Turned away (max_waiting) or superseded, the ticket has ended: nothing is kept.
+                raise Busy(ticket, kept=self._own_uuid and ticket.get("state") == WAITING)
         finally:
             backend.close()
         if out.code != ExitCode.OK or chan is None:

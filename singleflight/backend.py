@@ -80,10 +80,13 @@ class Place(Protocol):
     def grip(self) -> Grip | None:
         """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
 
-    def queue(self, deadline: float) -> int:
-        """Take a place at the end of the line, held at most until ``deadline`` (monotonic; later
-        calls of ``wait``'s ``deadline`` may extend it); its 1-based position. A ticket whose
-        ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters and takes their place."""
+    def queue(self, deadline: Callable[[], float]) -> int:
+        """Take a place at the end of the line, held at most until ``deadline()`` (monotonic; asked
+        once the ticket is written, and later calls by ``wait`` may extend it); its 1-based
+        position. A ticket whose ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters
+        and takes their place.
+        A ticket with ``max_waiting`` joins only while fewer wait ahead of it, counted and joined
+        in one step (two arrivals at once never both pass the bound); else ``LineFull``."""
 
     def wait(self, deadline: Callable[[], float]) -> Grip | None:
         """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.
@@ -138,9 +141,10 @@ class LockOps(Protocol):
     def enter(self, ticket: Ticket) -> Place: ...
 
     # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
-    def holder_record(self) -> Ticket | None:
-        """The ticket first in line, as recorded now (its token may have died already). None:
-        nobody holds, or another client's key."""
+    def holder_records(self) -> list[Ticket]:
+        """The tickets holding, as recorded now (their tokens may have died already), lowest
+        fence first: the one first in line, or with ``--slots`` every slot's. Another client's
+        key is not a ticket: left out."""
 
     def end_superseded(
         self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float

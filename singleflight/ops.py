@@ -97,8 +97,8 @@ def _outcome(backend: Backend, lk: LockOps, t: Ticket) -> Outcome:
         return Outcome(view)
     if view["state"] == WAITING:
         return Outcome(view, ExitCode.BUSY, "still waiting in line")
-    if t.superseded_by:  # a newer `latest` request replaced it: busy, as pearing-run exits
-        return Outcome(view, ExitCode.BUSY, t.describe_end())
+    if t.superseded_by or t.turned_away:  # replaced by a newer `latest` request, or the line
+        return Outcome(view, ExitCode.BUSY, t.describe_end())  # was full: busy, as pearing-run exits
     return Outcome(view, ExitCode.REFUSED, t.describe_end())
 
 
@@ -114,6 +114,8 @@ def acquire(
     control: str | None = None,
     queue_mode: str = QUEUE_FIFO,
     cancel_in_progress: bool = False,
+    max_waiting: int | None = None,
+    slots: int = 1,
     stopped: Callable[[], bool] | None = None,
 ) -> tuple[Outcome, Channel | None]:
     """Take the lock or queue for it; one ticket per request uuid.
@@ -123,6 +125,8 @@ def acquire(
     starts and ends. ``CONTROL_WAIT`` (pearing-mcp) answers only while the ticket waits. A
     ticket still waiting when the call returns stays this process's (see ``_kept``).
     ``stopped`` ends the wait early when it turns true (the ticket keeps waiting).
+    ``max_waiting``: busy at once, the ticket cancelled (line full), when that many wait already.
+    ``slots``: how many may hold the lock at once (every live ticket of the lock says the same).
     """
     request_uuid = names.request_uuid(request_uuid)
     lk = backend.lock(names.scope(repo), names.lock_name(lock))
@@ -142,6 +146,8 @@ def acquire(
             queue_mode=queue_mode,
             cancel_in_progress=cancel_in_progress,
             kill_grace=0.0,
+            max_waiting=None if max_waiting is None else names.max_waiting(max_waiting, "max_waiting"),
+            slots=names.slots(slots, "slots"),
         )
         _prune()
         t = lk.create(mine)

@@ -27,7 +27,7 @@ from singleflight.core.const import (
     CLAIM_DONE,
     WAITING,
 )
-from singleflight.core.errors import PearingError
+from singleflight.core.errors import LineFull, PearingError
 from singleflight.core.log import Log, Seconds
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import new_uuid4
@@ -71,6 +71,8 @@ class Runner:
             queue_mode=o.queue,
             cancel_in_progress=o.cancel_in_progress,
             kill_grace=o.kill_grace,
+            max_waiting=o.max_waiting,
+            slots=o.slots,
         )
         try:
             return self._run()
@@ -146,15 +148,19 @@ class Runner:
 
                 self.holder_pid, self.standby = fork_holder(o, self.ticket, None)
 
-        grip = acquire(
-            lk,
-            self.ticket,
-            until=started + o.wait_seconds,
-            # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
-            ticket_deadline=lambda: tickets.waiting_deadline(lk, tid),
-            on_queued=on_queued,
-            timeout_reason=EndReason.WAIT_TIMED_OUT,
-        )
+        try:
+            grip = acquire(
+                lk,
+                self.ticket,
+                until=started + o.wait_seconds,
+                # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
+                ticket_deadline=lambda: tickets.waiting_deadline(lk, tid),
+                on_queued=on_queued,
+                timeout_reason=EndReason.WAIT_TIMED_OUT,
+            )
+        except LineFull as full:
+            self.log.event("busy", lock=o.job, repo=o.repo, reason=str(full))
+            return None
         self.waited = time.monotonic() - started
         if grip is None:
             ended = lk.read(tid) if self.ticket.promoted else None

@@ -20,12 +20,14 @@ class RunOptions:
         "lock_dir",
         "log_format",
         "max_runtime",
+        "max_waiting",
         "metrics_dir",
         "min_interval",
         "queue",
         "repo",
         "request_uuid",
         "skip_if",
+        "slots",
         "verbose",
         "wait_seconds",
     )
@@ -54,6 +56,8 @@ class RunOptions:
         metrics_dir: str | None = None,
         queue: str = QUEUE_FIFO,
         cancel_in_progress: bool = False,
+        max_waiting: int | None = None,
+        slots: int = 1,
     ) -> None:
         self.job, self.repo, self.command, self.lock_dir, self.identity = job, repo, command, lock_dir, identity
         self.backend, self.lease_seconds, self.wait_seconds = backend, lease_seconds, wait_seconds
@@ -62,6 +66,7 @@ class RunOptions:
         self.busy_exit_code, self.verbose, self.log_format = busy_exit_code, verbose, log_format
         self.min_interval, self.metrics_dir = min_interval, metrics_dir
         self.queue, self.cancel_in_progress = queue, cancel_in_progress
+        self.max_waiting, self.slots = max_waiting, slots
 
     job: str
     repo: str
@@ -84,3 +89,5 @@ class RunOptions:
     metrics_dir: str | None
     queue: str
     cancel_in_progress: bool
+    max_waiting: int | None
+    slots: int

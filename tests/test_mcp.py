@@ -222,7 +222,11 @@ async def test_lists_the_nine_tools_with_the_seed_arguments(tmp_path: Path, agen
         assert tool.description and "\n" not in tool.description.strip(), tool.name
     schema = tools["acquire_lock"].input_schema
     props = schema["properties"]
-    assert set(props) == {"repo", "lock_name", "request_uuid", "lease_seconds", "wait_seconds"}
+    # The seed's arguments, and the optional slots and bound on the line (SPEC: optional slots,
+    # max_waiting).
+    seed = {"repo", "lock_name", "request_uuid", "lease_seconds", "wait_seconds"}
+    assert set(props) == seed | {"slots", "max_waiting"}
+    assert not {"slots", "max_waiting"} & set(schema.get("required", []))
     for name in ("repo", "lock_name", "request_uuid"):
         assert props[name]["type"] == "string", name
     for name in ("lease_seconds", "wait_seconds"):

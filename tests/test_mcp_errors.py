@@ -184,7 +184,7 @@ async def test_an_unknown_argument_is_named_with_the_ones_the_tool_takes(tmp_pat
         said = await _sentence(c, "acquire_lock", **_fresh(lease_second=5))
         assert said == (
             "unknown argument 'lease_second' "
-            "(acquire_lock takes repo, lock_name, request_uuid, lease_seconds, wait_seconds)"
+            "(acquire_lock takes repo, lock_name, request_uuid, lease_seconds, wait_seconds, max_waiting, slots)"
         )
         said = await _sentence(c, "list_locks", scope="default")
         assert said == "unknown argument 'scope' (list_locks takes repo, lock_name)"

@@ -297,3 +297,14 @@ def test_an_owner_whose_lock_dir_was_pruned_takes_the_mutex_of_the_lock_made_afr
         assert os.fstat(stale.dir.fd).st_ino == os.fstat(fresh.dir.fd).st_ino
         stale.close()
         fresh.close()
+
+
+@pytest.mark.local_only("slot files are flock files in the lock dir, taken without prune's same-file check")
+def test_a_lock_that_had_slots_is_never_pruned_on_the_lock_dir(procs: Procs, lock_dir: Path) -> None:
+    assert procs.pr_run("--job", "s", "--slots", "2", "--", "true").returncode == 0
+    procs.wait_idle()
+    out = _prune(procs, "--older-than", "0")
+    assert out["pruned"] == [] and out["kept"] == [
+        {"repo": "default", "lock_name": "s", "why": "a lock with --slots (not pruned)"}
+    ], out
+    assert (lock_dir / "locks" / "default" / "@s" / "slot.1").exists()

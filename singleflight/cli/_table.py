@@ -27,21 +27,26 @@ def render(locks: list[dict[str, Any]]) -> str:
     header = ("LOCK", "REPO", "STATE", "IDENTITY", "FENCE", "LEASE LEFT", "WAITERS", "ACTIVITY")
     rows: list[tuple[str, ...]] = [header]
     for lk in locks:
-        h = lk["holder"] or {}
-        left = h.get("lease_left")
-        cells = (
-            str(lk["lock_name"]),
-            str(lk["repo"]),
-            str(lk["state"]),
-            str(h.get("identity") or "-"),
-            str(lk["fence"]),
-            "-" if left is None else f"{left:.1f}s",
-            str(len(lk["waiters"])),
-            printable(str(h.get("activity") or "-"))[:ACTIVITY_WIDTH],
-        )
-        # Every cell, not just activity: names are validated on the way in, but a record
-        # read back (or a foreign etcd key) is not proof of that.
-        rows.append(tuple(printable(c) for c in cells))
+        slots = lk.get("slots") or {"used": 0, "total": 1}
+        state = str(lk["state"])
+        if slots["total"] > 1:
+            state += f" {slots['used']}/{slots['total']}"  # --slots: slots used of the lock's
+        # One row per holder (with --slots there may be several), the lock's waiters on the first.
+        for i, h in enumerate(lk.get("holders") or [lk["holder"] or {}]):
+            left = h.get("lease_left")
+            cells = (
+                str(lk["lock_name"]),
+                str(lk["repo"]),
+                state,
+                str(h.get("identity") or "-"),
+                str(h.get("fence") or lk["fence"]) if slots["total"] > 1 else str(lk["fence"]),
+                "-" if left is None else f"{left:.1f}s",
+                str(len(lk["waiters"])) if i == 0 else "",
+                printable(str(h.get("activity") or "-"))[:ACTIVITY_WIDTH],
+            )
+            # Every cell, not just activity: names are validated on the way in, but a record
+            # read back (or a foreign etcd key) is not proof of that.
+            rows.append(tuple(printable(c) for c in cells))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not locks:

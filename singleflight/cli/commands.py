@@ -166,6 +166,8 @@ THREAD = Arg("thread", "THREAD", "thread number, e.g. 42", required=True)
     ),
     REPO,
     Option("--request-key", dest="request_key", metavar="KEY", help="any event id: the request uuid is its UUIDv5"),
+    Option("--max-waiting", dest="max_waiting", metavar="N", help="busy at once if N already wait (0-10000)"),
+    Option("--slots", dest="slots", metavar="N", help="at most N holders at once (1-1000)", default="1"),
 )
 def acquire_lock(  # noqa: PLR0917 - one parameter per flag of the seed's command
     name: str,
@@ -174,15 +176,27 @@ def acquire_lock(  # noqa: PLR0917 - one parameter per flag of the seed's comman
     wait_seconds: str,
     repo: str | None,
     request_key: str | None,
+    max_waiting: str | None,
+    slots: str,
 ) -> None:
     """Take the lock or queue for it. Exit 0 held, 75 still waiting (the ticket keeps its place)."""
     lock, scope = names.lock_name(name), _repo(repo)
     uuid = names.request(request_uuid, request_key, required=True)
     lease = names.lease_seconds(lease_seconds, "--lease-seconds")
     wait = names.seconds(wait_seconds, "--wait-seconds")
+    bound = None if max_waiting is None else names.max_waiting(max_waiting)
+    n = names.slots(slots)
     who = _identity()
     out, _ = ops.acquire(
-        _backend(), lock, scope, request_uuid=uuid, lease_seconds=lease, wait_seconds=wait, identity=who
+        _backend(),
+        lock,
+        scope,
+        request_uuid=uuid,
+        lease_seconds=lease,
+        wait_seconds=wait,
+        identity=who,
+        max_waiting=bound,
+        slots=n,
     )
     _emit(out.ticket)
     _exit(out.code, out.reason)

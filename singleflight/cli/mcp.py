@@ -21,19 +21,21 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from singleflight import __version__, guard, ops
-from singleflight.backend import Backend, backend_url, open_backend
+from singleflight import __version__
+from singleflight.backend import backend_url
 from singleflight.cli import mcp_errors, mcp_progress, mcp_threads
 from singleflight.cli._argv import Option, parse, usage
+from singleflight.cli.mcp_ops import Ops
 from singleflight.cli.mcp_tools import DESCRIPTIONS, HINTS, closed_tool
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_SCOPE,
     ENV_BACKEND,
-    ENV_LOCK_DIR,
     MAX_ACTIVITY,
     MAX_SECONDS,
+    MAX_SLOTS,
+    MAX_WAITING,
     MIN_LEASE_SECONDS,
     ExitCode,
 )
@@ -58,101 +60,6 @@ OPTIONS = [
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
 ]
 _T = TypeVar("_T")
-
-
-class Ended(PearingError):
-    """acquire_lock for a request whose ticket has already ended: its owner must stop."""
-
-    exit_code = ExitCode.REFUSED
-
-
-class Ops:
-    """The tools' work, without the SDK: validate like pearing-cli, call the backend.
-
-    Every method blocks (acquire for up to ``wait_seconds``) and raises
-    ``PearingError`` with the one line the caller sees.
-    """
-
-    def __init__(self, lock_dir: str, ident: str, url: str | None = None) -> None:
-        self.lock_dir, self.identity, self.backend_url = lock_dir, ident, url
-
-    def _call(self, work: Callable[[Backend], _T]) -> _T:
-        # One backend per call: a server lives for days, so every fd is closed at once.
-        b = open_backend(self.backend_url, self.lock_dir)
-        try:
-            return work(b)
-        finally:
-            b.close()
-
-    def check(self) -> None:
-        """Open (and create) the lock dir now: a bad one is an exit code, not an error on every call."""
-        self._call(lambda b: None)
-
-    def acquire(
-        self,
-        repo: str,
-        lock_name: str,
-        request_uuid: str,
-        lease_seconds: float,
-        wait_seconds: float,
-        *,
-        stopped: Callable[[], bool] | None = None,
-    ) -> dict[str, Any]:
-        """``stopped``: the call was cancelled (its client gone): stop waiting at once."""
-        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
-        uuid = names.request_uuid(request_uuid, "request_uuid")
-        lease = names.lease_seconds(lease_seconds, "lease_seconds")
-        wait = names.seconds(wait_seconds, "wait_seconds")
-        out, _ = self._call(
-            lambda b: ops.acquire(
-                b,
-                lock,
-                scope,
-                request_uuid=uuid,
-                lease_seconds=lease,
-                wait_seconds=wait,
-                identity=self.identity,
-                # A waiting ticket answers to this server, and so to its client: when the client
-                # goes (stdin closed, the server exits) or the server dies, its agent leaves the
-                # line. Once held, the ticket is the client's, kept by its heartbeats.
-                control=ops.CONTROL_WAIT,
-                stopped=stopped,
-            )
-        )
-        if out.code == ExitCode.REFUSED:
-            raise Ended(out.reason or f"ticket {out.ticket['ticket_id']}: {out.ticket['state']}")
-        # Held (0) or still waiting in its FIFO place (75): the ticket's state says which.
-        return out.ticket
-
-    def get(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
-        return self._call(lambda b: ops.get(b, lock, scope, ticket_id))
-
-    def heartbeat(self, repo: str, lock_name: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
-        lease = names.lease_seconds(lease_seconds, "lease_seconds")
-        return self._call(lambda b: ops.heartbeat(b, lock, scope, ticket_id, lease))
-
-    def release(self, repo: str, lock_name: str, ticket_id: str) -> dict[str, Any]:
-        lock, scope = names.lock_name(lock_name, "lock_name"), names.scope(repo, "repo")
-        return self._call(lambda b: ops.release(b, lock, scope, ticket_id))
-
-    def update_activity(self, activity: str | None, clear: bool) -> dict[str, Any]:
-        if (activity is None) == (not clear):
-            raise UsageError("give exactly one of activity (the text) or clear=true")
-        if activity is not None:
-            names.activity(activity, "activity")
-        return self._call(lambda b: ops.update_activity(b, self.identity, activity))
-
-    def status(self, repo: str, lock_name: str | None) -> list[dict[str, Any]]:
-        scope = names.scope(repo, "repo")
-        lock = None if lock_name is None else names.lock_name(lock_name, "lock_name")
-        return self._call(lambda b: ops.status(b, scope, lock))
-
-    def verify(self, token_file: str) -> dict[str, Any]:
-        mcp_errors.token_file(token_file)
-        # Only the path given counts: never a token from the server's own environment.
-        return guard.verify(token_file, env={ENV_LOCK_DIR: self.lock_dir}).as_dict()
 
 
 def build_server(ops: Ops) -> "MCPServer[Any]":
@@ -262,6 +169,17 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
                 description="Wait in line up to this many seconds; 0 returns at once.",
             ),
         ] = 0.0,
+        max_waiting: Annotated[
+            int,
+            Strict(),
+            Field(ge=0, le=MAX_WAITING, description="Busy at once, never queued, if this many already wait."),
+        ]
+        | None = None,
+        slots: Annotated[
+            int,
+            Strict(),
+            Field(ge=1, le=MAX_SLOTS, description="How many may hold the lock at once; every holder agrees."),
+        ] = 1,
         ctx: Context,
     ) -> dict[str, Any]:
         beside = None
@@ -269,7 +187,8 @@ def build_server(ops: Ops) -> "MCPServer[Any]":
             where = functools.partial(mcp_progress.place, ops._call, repo, lock_name, request_uuid)
             beside = functools.partial(mcp_progress.report, ctx.report_progress, where, wait_seconds)
         args = (repo, lock_name, request_uuid, lease_seconds, wait_seconds)
-        return await run_stoppable(ops.acquire, *args, beside=beside)
+        work = functools.partial(ops.acquire, max_waiting=max_waiting, slots=slots)
+        return await run_stoppable(work, *args, beside=beside)
 
     async def get_lock_ticket(repo: Repo, lock_name: LockName, ticket_id: TicketId) -> dict[str, Any]:
         return await run(ops.get, repo, lock_name, ticket_id)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from singleflight.core import names
-from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MIN_LEASE_SECONDS
+from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SLOTS, MAX_WAITING, MIN_LEASE_SECONDS
 from singleflight.core.errors import BadValue, shown
 
 MAX_PATH: Final = 4096  # PATH_MAX on Linux
@@ -41,6 +41,8 @@ ARGUMENTS: Final[Mapping[str, tuple[str, str, Check | None]]] = {
     "ticket_id": ("string", f"the ticket id acquire_lock returned, {_UUID}", names.request_uuid),
     "lease_seconds": ("number", f"a JSON number of seconds, at least {MIN_LEASE_SECONDS:g}", names.lease_seconds),
     "wait_seconds": ("number", "a JSON number of seconds, 0 or more", names.seconds),
+    "max_waiting": ("integer", f"a JSON integer from 0 to {MAX_WAITING}", names.max_waiting),
+    "slots": ("integer", f"a JSON integer from 1 to {MAX_SLOTS}", names.slots),
     "activity": ("string", f"text of 1 to {MAX_ACTIVITY} characters", names.activity),
     "clear": ("boolean", "true or false", None),
     "token_file": ("string", "the path of a token file", token_file),

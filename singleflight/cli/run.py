@@ -63,6 +63,8 @@ OPTIONS = [
     Option("-v", "--verbose", dest="verbose", flag=True, help="lifecycle lines on stderr"),
     Option("--queue", dest="queue", metavar="fifo|latest", help="latest: a newer waiter replaces older ones"),
     Option("--cancel-in-progress", dest="cancel", flag=True, help="stop an opted-in holder, then take the lock"),
+    Option("--max-waiting", dest="max_waiting", metavar="N", help="busy at once if N already wait (0-10000)"),
+    Option("--slots", dest="slots", metavar="N", help="at most N COMMANDs at once, each its own fence (1-1000)"),
     Option("--log-format", dest="log_format", metavar="text|json", help="stderr line format (default text)"),
     Option("--version", dest="version", flag=True, help="print the version and exit"),
     Option("-h", "--help", dest="help", flag=True, help="show this help and exit"),
@@ -102,6 +104,7 @@ def build_options(argv: list[str]) -> RunOptions:
     request_uuid = names.request(_opt_str(values, "request_uuid"), _opt_str(values, "request_key"))
     min_interval = _opt_str(values, "min_interval")
     metrics_dir = _opt_str(values, "metrics_dir")
+    max_waiting = _opt_str(values, "max_waiting")
     if metrics_dir is None:
         metrics_dir = os.environ.get(ENV_METRICS_DIR) or None
     return RunOptions(
@@ -128,6 +131,8 @@ def build_options(argv: list[str]) -> RunOptions:
         backend=backend_url(_opt_str(values, "backend"), os.environ.get(ENV_BACKEND)),
         queue=queue,
         cancel_in_progress=bool(values.get("cancel")),
+        max_waiting=None if max_waiting is None else names.max_waiting(max_waiting),
+        slots=names.slots(_opt(values, "slots", 1)),
     )
 
 

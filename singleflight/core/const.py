@@ -30,6 +30,7 @@ ENV_TOKEN: Final = "PEARING_TOKEN"
 ENV_TOKEN_FILE: Final = "PEARING_TOKEN_FILE"
 ENV_LOCK_DIR: Final = "PEARING_LOCK_DIR"
 ENV_PROMOTED: Final = "PEARING_PROMOTED"
+ENV_SLOT: Final = "PEARING_SLOT"
 ENV_IDENTITY: Final = "PEARING_IDENTITY"
 ENV_BACKEND: Final = "PEARING_BACKEND"
 ENV_METRICS_DIR: Final = "PEARING_METRICS_DIR"
@@ -77,6 +78,10 @@ QUEUE_FIFO: Final = "fifo"
 QUEUE_LATEST: Final = "latest"
 QUEUE_MODES: Final = (QUEUE_FIFO, QUEUE_LATEST)
 SUPERSEDED: Final = "superseded by "
+# --max-waiting: how many may wait in a lock's line before a newcomer is turned away (busy).
+MAX_WAITING: Final = 10000
+# --slots: at most this many COMMANDs of one lock at once (each holds a flocked file of its own).
+MAX_SLOTS: Final = 1000
 
 # Request-uuid records: one run of a request is in flight (active) or ended.
 REQUEST_ACTIVE: Final = "active"

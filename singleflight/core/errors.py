@@ -97,6 +97,26 @@ class UnknownLock(NotHeld):
         super().__init__("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}")
 
 
+class LineFull(PearingError):
+    """--max-waiting: the line already holds as many waiters as this arrival allows; it is turned
+    away at once (busy), never queued."""
+
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, waiting: int, bound: int) -> None:
+        self.waiting, self.bound = waiting, bound
+        super().__init__(f"line full: {waiting} waiting, at most {bound} may wait")
+
+
+class SlotsMismatch(UsageError):
+    """A run whose --slots is not what the lock's live tickets use: the lock has one number of
+    slots at a time, or "at most N at once" would mean nothing."""
+
+    def __init__(self, asked: int, live: int) -> None:
+        self.asked, self.live = asked, live
+        super().__init__(f"slots {asked} differs from the {live} slot(s) the lock's live tickets use")
+
+
 class StaleFence(PearingError):
     exit_code = ExitCode.REFUSED
 

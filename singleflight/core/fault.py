@@ -12,7 +12,8 @@ pause-agent-start (an agent of pearing-cli / MCP / ``Lock``, its interpreter up,
 it daemonises: an agent that a busy machine starts late), pause-before-finish (a holder whose
 COMMAND has ended, before it records the end and ends the ticket), pause-agent-ready (an agent that has taken the lock,
 right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
-dir acquirer between opening the lock's file and its first flock: a prune may remove it then).
+dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
+pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Final, Literal, overload
 
 from singleflight.core import keys
-from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SECONDS, MIN_LEASE_SECONDS
+from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SECONDS, MAX_SLOTS, MAX_WAITING, MIN_LEASE_SECONDS
 from singleflight.core.errors import BadValue, UsageError, shown
 
 _ALNUM: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
@@ -193,6 +193,16 @@ def _integer(value: str | int, what: str, low: int, high: int) -> int:
 
 def exit_status(value: str | int, what: str = "--busy-exit-code") -> int:
     return _integer(value, what, 0, 255)
+
+
+def max_waiting(value: str | int, what: str = "--max-waiting") -> int:
+    """How many may wait in line before a newcomer is turned away: 0 to MAX_WAITING."""
+    return _integer(value, what, 0, MAX_WAITING)
+
+
+def slots(value: str | int, what: str = "--slots") -> int:
+    """How many runs of a lock may hold it at once: 1 to MAX_SLOTS."""
+    return _integer(value, what, 1, MAX_SLOTS)
 
 
 def fence(value: str | int, what: str = "fence") -> int:

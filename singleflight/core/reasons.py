@@ -23,6 +23,7 @@ class EndReason(str, Enum):
     WAIT_TIMED_OUT = "wait timed out"
     WAITING_LEASE_EXPIRED = "waiting lease expired without heartbeat"
     SUPERSEDED = "superseded by"  # + the newer ticket
+    LINE_FULL = "line full"  # turned away by its --max-waiting: busy, never queued
     MAX_RUNTIME = "max runtime"  # + the limit
     STOPPED = "holder stopped by signal"  # + its name
     VANISHED = "ticket vanished"

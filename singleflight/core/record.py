@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from singleflight.core import names
-from singleflight.core.const import MAX_FENCE
+from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING
 from singleflight.core.errors import BadValue
 
 
@@ -69,6 +69,9 @@ def _text(value: str) -> bool:
 # Beyond its type: what an integer field of either record kind written by this tool satisfies.
 _INT_RANGES: dict[str, tuple[int, int]] = {
     "fence": (1, MAX_FENCE),
+    "max_waiting": (0, MAX_WAITING),
+    "slots": (1, MAX_SLOTS),
+    "slot": (0, MAX_SLOTS - 1),
     "holder_pid": (1, _MAX_PID),
     "holder_start": (0, _MAX_INT),
     "pid": (1, _MAX_PID),

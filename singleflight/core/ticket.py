@@ -51,6 +51,9 @@ FIELDS = (
     "cancel_in_progress",
     "kill_grace",
     "superseded_by",
+    "max_waiting",
+    "slots",
+    "slot",
 )
 _HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
 _TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
@@ -79,6 +82,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "cancel_in_progress": (bool,),
     "kill_grace": (int, float),
     "superseded_by": (str,),
+    "max_waiting": (int,),
+    "slots": (int,),
+    "slot": (int,),
 }
 
 _STATES: Final = frozenset({WAITING, HELD, RELEASED, EXPIRED, CANCELLED})
@@ -129,6 +135,9 @@ class Ticket:
         cancel_in_progress: bool | None = False,
         kill_grace: float | None = None,
         superseded_by: str | None = None,
+        max_waiting: int | None = None,
+        slots: int | None = 1,
+        slot: int | None = None,
     ) -> None:
         self.ticket_id, self.request_uuid = ticket_id, request_uuid
         self.lock_name, self.repo, self.identity = lock_name, repo, identity
@@ -146,6 +155,12 @@ class Ticket:
         self.queue_mode = queue_mode or QUEUE_FIFO
         self.cancel_in_progress = bool(cancel_in_progress)
         self.kill_grace, self.superseded_by = kill_grace, superseded_by
+        # --max-waiting: this arrival joins the line only while fewer than this many wait (None:
+        # no bound); checked once, as it joins (``Place.queue``).
+        self.max_waiting = max_waiting
+        # --slots: how many runs of the lock may hold at once (every live ticket of a lock says
+        # the same), and which of them this one holds (0..slots-1, PEARING_SLOT) once held.
+        self.slots, self.slot = slots or 1, slot
 
     ticket_id: str
     request_uuid: str
@@ -171,6 +186,9 @@ class Ticket:
     cancel_in_progress: bool
     kill_grace: float | None
     superseded_by: str | None
+    max_waiting: int | None
+    slots: int
+    slot: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELDS}
@@ -223,6 +241,11 @@ class Ticket:
         """A newer ``latest`` waiter takes its place: it leaves the line busy, never runs."""
         self.end(CANCELLED, EndReason.SUPERSEDED.text(by), at)
         self.superseded_by = by
+
+    @property
+    def turned_away(self) -> bool:
+        """Ended because the line was full when it arrived (``--max-waiting``): busy, not refused."""
+        return self.state == CANCELLED and self.end_reason == EndReason.LINE_FULL
 
     @property
     def live(self) -> bool:

@@ -16,6 +16,7 @@ from singleflight.core import names, proc
 from singleflight.core.const import (
     ENDED_TICKET_RETENTION,
     ENV_BACKEND,
+    ENV_SLOT,
     HELD,
     REQUEST_ACTIVE,
 )
@@ -32,7 +33,7 @@ from singleflight.core.request import (
 )
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
-from singleflight.etcd import events, history, records
+from singleflight.etcd import events, history, records, slots
 from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import (
     Cluster,
@@ -102,6 +103,10 @@ class EtcdLock(EtcdTickets):
         tid = ticket.ticket_id
         ttl = ttl_of(ticket.lease_seconds)
         adopted = self._adopted.pop(tid, None)
+        if ticket.slots > 1:
+            slots.check(self.mutex, ticket)  # a wrong --slots is 64, busy or not
+        if adopted is None and ticket.slots > 1:
+            return self._enter_slots(ticket, ttl)
         if adopted is None:
             lease = self._lease_for(ticket)
             ticket.holder_host = ticket.holder_host or os.uname().nodename
@@ -109,22 +114,40 @@ class EtcdLock(EtcdTickets):
             # Nobody holds, waits or guards: our key goes straight onto the holder's lease.
             kv = self.mutex.join_free(ticket, lease)
             if kv is None:
+                slots.check(self.mutex, ticket)  # not free: a slotted run may hold it
                 return EtcdPlace(self, ticket, lease, None)
             grip = EtcdGrip(self.cluster, lease, kv, ttl, kept_at=self._kept[tid], token=self._minted[tid])
             return EtcdPlace(self, ticket, lease, grip)
         # Created by pearing-cli acquire-lock, on the holder's lease: its agent takes over.
         lease = self._leases[tid] = int(adopted["lease"])
-        if self.mutex.first_now(adopted):
+        if self.mutex.first_now(adopted) if ticket.slots == 1 else self._holds_now(adopted, ticket.slots):
             grip = EtcdGrip(self.cluster, lease, adopted, ttl, kept_at=self._kept[tid], token=self._minted[tid])
             return EtcdPlace(self, ticket, lease, grip)
         return EtcdPlace(self, ticket, lease, None, kv=adopted)
 
+    def _holds_now(self, kv: dict[str, Any], n: int) -> bool:
+        """Is our (existing) key among the first ``n`` with no guard in flight? (``first_now``)"""
+        return self.mutex.count_ahead(kv["create_revision"]) < n and not slots.guarded(self.mutex)
+
+    def _enter_slots(self, ticket: Ticket, ttl: int) -> EtcdPlace:
+        """The semaphore: our key joins the line on the holder's lease at once, counting the keys
+        ahead in the same transaction; fewer than N ahead (and no guard in flight), it holds.
+        Else it waits as a CLI ticket's key does: ``queue`` moves it onto a waiting lease."""
+        tid = ticket.ticket_id
+        lease = self._lease_for(ticket)
+        ticket.holder_host = ticket.holder_host or os.uname().nodename
+        self._mint(ticket)
+        kv, ahead = self.mutex.join(ticket, lease, promoted=False)
+        if ahead < ticket.slots and not slots.guarded(self.mutex):
+            grip = EtcdGrip(self.cluster, lease, kv, ttl, kept_at=self._kept[tid], token=self._minted[tid])
+            return EtcdPlace(self, ticket, lease, grip)
+        return EtcdPlace(self, ticket, lease, None, kv=kv)
+
     # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
     # the holder watches its key (``EtcdLease``) ------------------------------------------
 
-    def holder_record(self) -> Ticket | None:
-        found = events.holder_record(self.mutex)
-        return found[0] if found is not None else None
+    def holder_records(self) -> list[Ticket]:
+        return [t for t, _ in events.holder_records(self.mutex)]
 
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
@@ -148,6 +171,7 @@ class EtcdLock(EtcdTickets):
         kv = grip.kv
         key, fence = str(kv["key"]), int(kv["create_revision"])
         t = parse_ticket(kv["value"])
+        t.slot = 0 if t.slots == 1 else slots.claim(self.mutex, t, kv, grip.lease)
         owner = (t.holder_pid, t.holder_start)  # who waited: pearing-run's wrapper, or the agent itself
         t.state, t.fence, t.promoted = HELD, fence, promoted or t.promoted
         t.holder_pid, t.holder_start = os.getpid(), proc.start_time(os.getpid())
@@ -174,7 +198,7 @@ class EtcdLock(EtcdTickets):
             driver.settle()
         token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
-        env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url}
+        env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url, ENV_SLOT: str(t.slot)}
         return driver, Taken(fence, grip.token, token_file, env)
 
     # -- the ticket ------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def _take_over(
     if own is not None:
         checks.append(cmp(own["key"], "MOD", "EQUAL", own["mod_revision"]))
     ops = [
-        op_range(mutex.q, prefix=True, count_only=True, max_create=target["create_revision"] - 1),
+        mutex.keys_before(target["create_revision"]),
         op_put(target["key"], body, lease),  # a put keeps the create revision: the place in line
     ]
     now, ends = time.time(), []
@@ -131,7 +131,7 @@ def _take_over(
     if not r.get("succeeded"):
         return _taken_already(mutex, me, lease, r)
     kv = dict(target, value=body, mod_revision=revision(r), lease=lease)
-    return kv, ranged(r, 0)[1]
+    return kv, len(ranged(r, 0)[0])
 
 
 def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> tuple[dict[str, Any] | None, int] | None:
@@ -150,12 +150,16 @@ def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> t
     return None, 0
 
 
-def holder_record(mutex: Mutex) -> tuple[Ticket, dict[str, Any]] | None:
-    """The first key in line and its ticket as stored (None: empty, or another client's key)."""
+def holder_records(mutex: Mutex) -> list[tuple[Ticket, dict[str, Any]]]:
+    """The keys that hold and their tickets as stored: the first in line, or with ``--slots N``
+    the first N (another client's key left out)."""
     r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
     head = ranged(r, 0)[0]
     h = parse(head[0]["value"]) if head else None
-    return (h, head[0]) if h is not None else None
+    if h is not None and h.slots > 1:
+        r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=h.slots)], [])
+        head = ranged(r, 0)[0]
+    return [(t, kv) for kv in head if (t := parse(kv["value"])) is not None]
 
 
 def mark_superseded(mutex: Mutex, holder: Ticket, by: str | None, kv: dict[str, Any]) -> bool:

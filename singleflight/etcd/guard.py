@@ -63,7 +63,8 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
     t = parse(kv["value"])
     if t is None:
         return Facts(None)
-    if first[0]["key"] == kv["key"]:
+    # With --slots N the first N keys hold (a second read, for a slotted ticket only).
+    if first[0]["key"] == kv["key"] or (t.slots > 1 and el.count_ahead(kv["create_revision"]) < t.slots):
         t.fence = kv["create_revision"]
         if t.live:
             t.state = HELD

@@ -21,6 +21,8 @@ Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
     /PREFIX/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
     /PREFIX/SCOPE/@LOCK/s            the last successful start (--min-interval)
     /PREFIX/SCOPE/@LOCK/last         the newest fence (tells an old token it was superseded)
+    /PREFIX/SCOPE/@LOCK/sl/I         --slots N: holder I of N (the first N keys of the line
+                                     hold), naming its queue key, on its lease (``slots.py``)
     /PREFIX/activity/IDENTITY        update-user-activity
     /PREFIX/ledger/RESOURCE          pearing-guard fence, updated by compare-and-swap
 
@@ -67,7 +69,8 @@ class Mutex:
     def __init__(self, cluster: Cluster, repo: str, lock: str) -> None:
         self.cluster, self.repo, self.lock = cluster, repo, lock
         self.base = f"{cluster.root}{repo}/@{lock}/"
-        self.q, self.g, self.e, self.r, self.t, self.a = (self.base + s for s in ("q/", "g/", "e/", "r/", "t/", "a/"))
+        kinds = ("q/", "g/", "e/", "r/", "t/", "a/", "sl/")  # sl/: --slots, each holder's number (slots.py)
+        self.q, self.g, self.e, self.r, self.t, self.a, self.sl = (self.base + s for s in kinds)
 
     @property
     def prefix(self) -> str:
@@ -90,11 +93,12 @@ class Mutex:
         rev = revision(r)
         return {"key": key, "value": body, "create_revision": rev, "mod_revision": rev, "lease": lease}
 
-    def join(self, t: Ticket, lease: int) -> tuple[dict[str, Any], int]:
+    def join(self, t: Ticket, lease: int, *, promoted: bool = True) -> tuple[dict[str, Any], int]:
         """Our new key at the end of the line, on the waiting ``lease``: (kv, how many are ahead).
 
-        Recorded as promoted: if it is ever held, it waited behind another holder."""
-        joined = self._join(t, lease, [])
+        Recorded as promoted: if it is ever held, it waited behind another holder. (With
+        ``--slots`` a key joins before it knows: not yet, and ``rehome`` says so if it waits.)"""
+        joined = self._join(t, lease, [], promoted=promoted)
         if joined is None:
             raise RuntimeError(f"ticket key {self.q}{t.ticket_id} already exists")
         return joined
@@ -103,8 +107,10 @@ class Mutex:
         """``join``, only if no key joined the line after revision ``since`` (else None)."""
         return self._join(t, lease, [cmp(self.q, "CREATE", "LESS", since + 1, prefix=True)])
 
-    def _join(self, t: Ticket, lease: int, checks: list[dict[str, Any]]) -> tuple[dict[str, Any], int] | None:
-        t.promoted = True
+    def _join(
+        self, t: Ticket, lease: int, checks: list[dict[str, Any]], *, promoted: bool = True
+    ) -> tuple[dict[str, Any], int] | None:
+        t.promoted = promoted
         key, body = self.q + t.ticket_id, value(t, lease)
         r = self.cluster.txn(
             [cmp(key, "CREATE", "EQUAL", 0), *checks],
@@ -131,8 +137,11 @@ class Mutex:
         return None
 
     def count_ahead(self, rev: int) -> int:
-        r = self.cluster.txn([], [op_range(self.q, prefix=True, count_only=True, max_create=rev - 1)], [])
-        return ranged(r, 0)[1]
+        return len(ranged(self.cluster.txn([], [self.keys_before(rev)], []), 0)[0])
+
+    def keys_before(self, rev: int) -> dict[str, Any]:
+        """The keys ahead of ``rev``; ``len`` counts them (etcd's ``count`` ignores max_create)."""
+        return op_range(self.q, prefix=True, keys_only=True, max_create=rev - 1)
 
     def first_now(self, kv: dict[str, Any]) -> bool:
         """Is our (existing) key first in line with no guard in flight? One txn, no write."""
@@ -164,12 +173,12 @@ class Mutex:
                 [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])],
                 [
                     op_put(kv["key"], body, lease),
-                    op_range(self.q, prefix=True, count_only=True, max_create=rev - 1),
+                    self.keys_before(rev),
                 ],
                 [op_range(kv["key"])],
             )
             if r.get("succeeded"):
-                return dict(kv, value=body, mod_revision=revision(r), lease=lease), ranged(r, 1)[1]
+                return dict(kv, value=body, mod_revision=revision(r), lease=lease), len(ranged(r, 1)[0])
             fresh = ranged(r, 0)[0]
             if not fresh or fresh[0]["create_revision"] != rev or ticket_id_of(fresh[0]["value"]) != owner:
                 return None, 0
@@ -191,19 +200,20 @@ class Mutex:
 
     # -- waiting -----------------------------------------------------------------
 
-    def ahead(self, key: str, rev: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool, int]:
-        """(the key just ahead of ours, our kv, a guard in flight?, the store revision): one read."""
+    def ahead(self, key: str, rev: int, n: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any] | None, bool, int]:
+        """(the ``n`` keys just ahead of ours, nearest first; our kv; a guard in flight?; the store
+        revision): one read. With ``--slots N`` a key holds while fewer than N are ahead of it."""
         r = self.cluster.txn(
             [],
             [
-                op_range(self.q, prefix=True, sort="DESCEND", limit=1, keys_only=True, max_create=rev - 1),
+                op_range(self.q, prefix=True, sort="DESCEND", limit=n, keys_only=True, max_create=rev - 1),
                 op_range(key),
                 op_range(self.g, prefix=True, limit=1, keys_only=True),
             ],
             [],
         )
-        pred, mine, guards = ranged(r, 0)[0], ranged(r, 1)[0], ranged(r, 2)[0]
-        return (pred[0] if pred else None), (mine[0] if mine else None), bool(guards), revision(r)
+        preds, mine, guards = ranged(r, 0)[0], ranged(r, 1)[0], ranged(r, 2)[0]
+        return preds, (mine[0] if mine else None), bool(guards), revision(r)
 
     def wait_first(
         self,
@@ -214,6 +224,7 @@ class Mutex:
         *,
         ticket_id: str,
         watch_mine: bool = False,
+        slots: int = 1,
     ) -> tuple[str, dict[str, Any] | None]:
         """Block until our key is first in line (FIRST, its kv), gone, ended or taken over by
         another ticket (GONE), or ``until()``.
@@ -225,20 +236,29 @@ class Mutex:
         over) we watch our own key too, and look again when it changes. Every ``WAIT_TICK``
         ``tick()`` renews the waiter's leases (False: ours is gone) and ``until()`` is asked
         again (a heartbeat may have moved it); the watches move to the member that answered.
+
+        With ``slots`` N (the semaphore) we hold once fewer than N are ahead, so we watch the N
+        just ahead: we cannot hold before one of those goes.
         """
         end = until()
+        due = time.monotonic() + WAIT_TICK
         while True:
-            pred, mine, guarded, at = self.ahead(key, rev)
+            if tick is not None and time.monotonic() >= due:
+                # A line that moves often (slots changing hands) must not starve our leases.
+                if not tick():
+                    return GONE, None
+                end, due = until(), time.monotonic() + WAIT_TICK
+            preds, mine, guarded, at = self.ahead(key, rev, slots)
             t = parse(mine["value"]) if mine is not None else None
             if mine is None or (t is not None and (not t.live or t.ticket_id != ticket_id)):
                 return GONE, None
-            if pred is None and not guarded:
+            if len(preds) < slots and not guarded:
                 return FIRST, mine
-            if pred is None:
+            if len(preds) < slots:
                 if not self.wait_guards(end, tick):
                     return TIMEOUT, None
                 continue
-            watches: list[KeyWatch] = [DeleteWatch(self.cluster, pred["key"], at)]
+            watches: list[KeyWatch] = [DeleteWatch(self.cluster, p["key"], at) for p in preds]
             if watch_mine:
                 watches.append(KeyWatch(self.cluster, key, at))
             try:
@@ -246,13 +266,13 @@ class Mutex:
                     now = time.monotonic()
                     if now >= end:
                         return TIMEOUT, None
-                    next_tick = now + WAIT_TICK
-                    if wait_any(watches, min(end, next_tick)) or time.monotonic() < next_tick:
+                    if wait_any(watches, min(end, due)) or time.monotonic() < due:
                         continue
+                    due = time.monotonic() + WAIT_TICK
                     if tick is not None:
                         if not tick():
                             return GONE, None
-                    elif self.cluster.get(pred["key"]) is None:
+                    elif any(self.cluster.get(p["key"]) is None for p in preds):
                         break  # the stream's member may be cut off: we asked another
                     for w in watches:
                         w.follow(self.cluster.current)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from singleflight.core.const import ENDED_TICKET_RETENTION, QUEUE_LATEST
+from singleflight.core.errors import LineFull
 from singleflight.core.ticket import Ticket
 from singleflight.etcd import events
 from singleflight.etcd.client import Cluster
@@ -42,7 +43,7 @@ class EtcdPlace:
         self.keep_lease = 0
         self.gone = False
 
-    def queue(self, deadline: float) -> int:
+    def queue(self, deadline: Callable[[], float]) -> int:
         mutex = self.lk.mutex
         # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
         self.waiting_kept = time.monotonic()
@@ -57,10 +58,25 @@ class EtcdPlace:
             kv, ahead = mutex.rehome(self.kv, self.waiting_lease)
             self.gone = kv is None  # cancelled (release-lock-ticket) before we got here
             self.kv = kv or self.kv
+        self._admit(ahead)
         # Granted now, while there is time: the end record goes straight onto it at the release,
         # and no grant-and-put lands on the cluster during the next hand-over.
         self.keep_lease = self.lk.cluster.grant(int(ENDED_TICKET_RETENTION))
-        return max(1, ahead)
+        return max(1, ahead - self.ticket.slots + 1)  # the first N hold: a place behind them
+
+    def _admit(self, ahead: int) -> None:
+        """``--max-waiting``, joined first and counted after: ``ahead`` is what the join's own
+        transaction saw before our key (the first of them holds). A later arrival always
+        counts us, so of two at the bound the later one leaves (``acquire`` ends its ticket,
+        whose key goes with it). A ``latest`` arrival that took an older one's key added no
+        waiter. With ``--slots N`` the first N hold."""
+        bound = self.ticket.max_waiting
+        if bound is None or self.gone or self.kv is None or self.kv["key"] != self.lk.mutex.q + self.ticket.ticket_id:
+            return
+        n = self.ticket.slots  # the first N keys hold: only those behind them wait
+        waiting = max(0, ahead - n)
+        if waiting >= bound and ahead >= n:
+            raise LineFull(waiting, bound)
 
     def wait(self, deadline: Callable[[], float]) -> EtcdGrip | None:
         if self.gone or self.kv is None:
@@ -76,7 +92,13 @@ class EtcdPlace:
         mutex, kv = self.lk.mutex, self.kv
         latest = self.ticket.queue_mode == QUEUE_LATEST
         outcome, mine = mutex.wait_first(
-            kv["key"], kv["create_revision"], until, self._tick, ticket_id=self.ticket.ticket_id, watch_mine=latest
+            kv["key"],
+            kv["create_revision"],
+            until,
+            self._tick,
+            ticket_id=self.ticket.ticket_id,
+            watch_mine=latest,
+            slots=self.ticket.slots,
         )
         if outcome != FIRST or mine is None:
             return None

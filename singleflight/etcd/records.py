@@ -39,6 +39,9 @@ def value(
         queue_mode=t.queue_mode,
         cancel_in_progress=t.cancel_in_progress,
         kill_grace=t.kill_grace,
+        max_waiting=t.max_waiting,  # checked by its agent as it joins the line (``EtcdPlace``)
+        slots=t.slots,
+        slot=t.slot,
         # Set by a newer opted-in run: the holder stops (``EtcdLease.check``).
         superseded_by=t.superseded_by,
         # The lease deadline, on the wall clock for other hosts and on the monotonic

@@ -17,7 +17,7 @@ from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
-from singleflight.etcd import records
+from singleflight.etcd import records, slots
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
@@ -186,14 +186,15 @@ class EtcdTickets:
             self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end, ticket_id=ticket_id)
 
     @staticmethod
-    def _place(t: Ticket, kv: dict[str, Any], i: int) -> None:
-        """State and fence from the ticket's place in line (the first holds)."""
+    def _place(t: Ticket, kv: dict[str, Any], i: int, holders: int) -> None:
+        """State and fence from the ticket's place in line (the first ``holders`` hold)."""
         if t.live:
-            t.state = HELD if i == 0 else WAITING
-        t.fence = kv["create_revision"] if i == 0 else None
+            t.state = HELD if i < holders else WAITING
+        t.fence = kv["create_revision"] if i < holders else None
 
     def line(self) -> Line:
         q, _ = self.mutex.queue()
+        held = slots.holders(self.mutex, q)
         entries: list[Ticket | dict[str, Any]] = []
         for i, kv in enumerate(q):
             t = parse(kv["value"])
@@ -201,11 +202,11 @@ class EtcdTickets:
                 # etcdctl lock, Go's concurrency.NewMutex: a holder or waiter of another client's.
                 left = self.cluster.ttl(kv["lease"]) if kv["lease"] else -1
                 entry = records.foreign(kv, i, self.repo, self.lock, float(left) if left >= 0 else None)
-                if i == 0:
+                if i < held:
                     entry["lease_left"] = float(left) if left >= 0 else None
                 entries.append(entry)
                 continue
-            self._place(t, kv, i)
+            self._place(t, kv, i, held)
             t.lease_deadline_mono = deadline_mono(t)
             entries.append(t)
         if q:
@@ -214,7 +215,9 @@ class EtcdTickets:
             last = self.cluster.get(self.mutex.base + "last")
             fence = int(last["value"]) if last is not None and last["value"].isdigit() else None
         # The same queue for etcd's own lock clients: etcdctl lock PREFIX, concurrency.NewMutex(s, PREFIX).
-        return Line(entries, held=bool(q), fence=fence, extra={"etcd_mutex_prefix": self.mutex.prefix})
+        n = max([t.slots for t in entries if not isinstance(t, dict)], default=1)
+        extra = {"etcd_mutex_prefix": self.mutex.prefix}
+        return Line(entries, held=bool(q), fence=fence, extra=extra, holders=held, slots=n)
 
 
 def _is_me(pid: int | None, start: int | None) -> bool:
@@ -231,8 +234,11 @@ def ticket_of(mutex: Mutex, ticket_id: str) -> tuple[Ticket, dict[str, Any] | No
             return None  # not a ticket (``find`` returns ours only)
         if not t.live:  # its token is dead; its COMMAND is being stopped, the lock still taken
             return t, kv
-        first = mutex.holder()
-        held = first is not None and first["key"] == kv["key"]
+        if t.slots > 1:  # the first N keys hold
+            held = mutex.count_ahead(kv["create_revision"]) < t.slots
+        else:
+            first = mutex.holder()
+            held = first is not None and first["key"] == kv["key"]
         t.state = HELD if held else WAITING
         t.fence = kv["create_revision"] if held else None
         return t, kv
@@ -270,16 +276,16 @@ def cancel_waiting(mutex: Mutex, t: Ticket, kv: dict[str, Any], reason: str) -> 
     Never a key a newer ``latest`` ticket took over meanwhile (compare-and-swap)."""
     keep = 0
     for _ in range(5):
-        pred, mine, _, _ = mutex.ahead(kv["key"], kv["create_revision"])
+        preds, mine, _, _ = mutex.ahead(kv["key"], kv["create_revision"], t.slots)
         if mine is None or ticket_id_of(mine["value"]) != t.ticket_id:
             return True  # gone from the line (superseded: its end record says so)
-        if pred is None:
+        if len(preds) < t.slots:
             return False
         keep = keep or mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
         t.end(CANCELLED, reason)
         r = mutex.cluster.txn(
             [
-                cmp(pred["key"], "CREATE", "EQUAL", pred["create_revision"]),
+                *(cmp(p["key"], "CREATE", "EQUAL", p["create_revision"]) for p in preds),
                 cmp(kv["key"], "MOD", "EQUAL", mine["mod_revision"]),
             ],
             [op_put(mutex.e + t.ticket_id, value(t, int(kv["lease"])), keep), op_delete(kv["key"])],

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
+    ENV_SLOT,
     EXPIRED,
     HELD,
-    RELEASED,
     REQUEST_ACTIVE,
     WAITING,
 )
@@ -22,56 +22,18 @@ from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
 from singleflight.core.fs import same_file
 from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
-from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.reasons import EndReason
 from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts
-from singleflight.local import lease, queue
-from singleflight.local.place import FlockGrip, LocalPlace
+from singleflight.local import lease, queue, slots
+from singleflight.local.place import FlockGrip, LocalLease, LocalPlace
 from singleflight.local.records import ActivityRecords, LockRecords
 from singleflight.local.store import LockDir, LockStore
 
 if TYPE_CHECKING:
     from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
-
-
-class LocalLease:
-    """The holder's lease: the lock fd, and the ticket's records in the lock dir."""
-
-    def __init__(self, store: LockStore, grip: FlockGrip, ticket: Ticket) -> None:
-        self.store, self.grip, self.ticket = store, grip, ticket
-
-    def renew(self) -> None:
-        self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
-
-    def check(self) -> Loss | None:
-        with self.store.mutex():
-            t = self.store.read_ticket(self.ticket.ticket_id)
-        if t is not None and t.state == HELD and t.superseded_by:
-            return Loss(EndReason.SUPERSEDED, t.superseded_by)
-        if t is None:
-            return Loss(EndReason.VANISHED)
-        if t.state == RELEASED:
-            return Loss(EndReason.RELEASED_BY_OWNER)
-        if t.state != HELD:
-            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
-        self.ticket = t
-        return Loss(EndReason.LEASE_EXPIRED) if (t.lease_deadline_mono or 0) <= time.monotonic() else None
-
-    def end(self, state: str, reason: str) -> None:
-        lease.end(self.store, self.ticket.ticket_id, state, reason)
-
-    def keep(self) -> None:
-        """The fd keeps the lock by being open."""
-
-    def wake_fd(self) -> None:
-        """A cancel request pokes the holder (SIGUSR1): no fd to watch."""
-
-    def release(self, announce: Callable[[], None]) -> None:
-        self.grip.close()  # the kernel hands the lock to the head waiter now (once every copy is closed)
-        announce()
-        lease.housekeeping(self.store)
 
 
 class LocalLock:
@@ -89,6 +51,13 @@ class LocalLock:
     # -- acquiring -------------------------------------------------------------------------
 
     def enter(self, ticket: Ticket) -> LocalPlace:
+        if ticket.slots > 1 or slots.ever_slotted(self.store):
+            # A wrong --slots is 64 even when the lock is busy and the run would not wait. (Not
+            # the last word: the join and the take check again, under the mutex.)
+            with self.store.mutex():
+                slots.check(self.store, ticket)
+        if ticket.slots > 1:
+            return self._enter_slots(ticket)
         store, again = self.store, False
         while True:
             try:
@@ -113,11 +82,31 @@ class LocalLock:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return LocalPlace(store, ticket, fd, None)
 
+    def _enter_slots(self, ticket: Ticket) -> LocalPlace:
+        """A free slot at once (nobody in line), or the slot files for the head of the line."""
+        held = slots.SlotSet(self.store, ticket.slots)
+        try:
+            slot = held.try_any()
+            if slot is not None:
+                if not queue.live_entries(self.store):
+                    return LocalPlace(self.store, ticket, -1, FlockGrip(held.keep_taken(), slot))
+                held.undo()  # free for a moment, but others are in line: they go first
+        except BaseException:
+            held.close()
+            raise
+        return LocalPlace(self.store, ticket, -1, None, held)
+
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
-    def holder_record(self) -> Ticket | None:
-        holder_id = self.store.read_pointer("holder")
-        return self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
+    def holder_records(self) -> list[Ticket]:
+        found = []
+        for name in slots.pointers(self.store):
+            holder_id = self.store.read_pointer(name)
+            t = self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
+            # Another slot's last holder may have ended long ago: only this slot's stands for it.
+            if t is not None and (name == "holder" or t.live):
+                found.append(t)
+        return sorted(found, key=lambda t: t.fence or 0)
 
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
@@ -149,9 +138,10 @@ class LocalLock:
                 os.close(fd)
 
     def take(self, grip: FlockGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[LocalLease, Taken]:
-        token = lease.take_ownership(self.store, ticket, promoted=promoted)
+        token = lease.take_ownership(self.store, ticket, promoted=promoted, slot=grip.slot)
         assert ticket.fence is not None
-        taken = Taken(ticket.fence, token, self.store.tokens.path(ticket.ticket_id), {})
+        env = {ENV_SLOT: str(grip.slot)}
+        taken = Taken(ticket.fence, token, self.store.tokens.path(ticket.ticket_id), env)
         return LocalLease(self.store, grip, ticket), taken
 
     # -- the ticket ------------------------------------------------------------------------
@@ -177,9 +167,7 @@ class LocalLock:
     def _taken(self) -> bool:
         """Does a live holder have the lock now? (Its pointer, not the flock: a probe of the
         flock would turn a run that finds the lock free into a waiter for that instant.)"""
-        holder_id = self.store.read_pointer("holder")
-        h = self.store.read_ticket(holder_id) if holder_id and names.is_uuid(holder_id) else None
-        return h is not None and h.state == HELD and proc.alive(h.holder_pid, h.holder_start)
+        return any(h.state == HELD and proc.alive(h.holder_pid, h.holder_start) for h in self.holder_records())
 
     def read(self, ticket_id: str) -> Ticket | None:
         return self.store.read_ticket(ticket_id)
@@ -253,22 +241,32 @@ class LocalLock:
 
     def line(self) -> Line:
         store, now = self.store, time.monotonic()
-        holder = None
+        holders = []
         waiters = []
         for t in store.tickets():
             if not proc.alive(t.holder_pid, t.holder_start):
                 continue
             left = t.lease_left(now)
             if t.state == HELD and (left is None or left > 0):
-                holder = t
+                holders.append(t)
             elif t.state == WAITING:
                 waiters.append(t)
+        holders.sort(key=lambda h: h.fence or 0)
+        total = max([t.slots for t in holders + waiters], default=1)
         order = {n.rpartition(".")[2]: i for i, n in enumerate(queue.live_entries(store))}
         # An agent still starting has no entry yet: it joins at the end, so it is listed there.
         waiters.sort(key=lambda w: order.get(w.ticket_id, len(order)))
         unplaced = frozenset(w.ticket_id for w in waiters if w.ticket_id not in order)
-        entries: list[Ticket | dict[str, Any]] = [holder, *waiters] if holder else [*waiters]
-        return Line(entries, held=holder is not None, fence=store.read_fence(), extra={}, unplaced=unplaced)
+        entries: list[Ticket | dict[str, Any]] = [*holders, *waiters]
+        return Line(
+            entries,
+            held=bool(holders),
+            fence=store.read_fence(),
+            extra={},
+            unplaced=unplaced,
+            holders=len(holders),
+            slots=total,
+        )
 
 
 def _poll(done: Callable[[], bool], timeout: float) -> None:

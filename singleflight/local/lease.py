@@ -16,6 +16,7 @@ from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
+from singleflight.local import slots
 from singleflight.local.queue import WAITER_POKE
 from singleflight.local.store import LockStore, flocked
 
@@ -30,21 +31,23 @@ def guard_exclusive(store: LockStore) -> Iterator[None]:
         os.close(fd)
 
 
-def sweep_previous_holder(store: LockStore, new_ticket_id: str) -> int:
+def sweep_previous_holder(store: LockStore, new_ticket_id: str, name: str = "holder") -> int:
     """Mark the previous holder's ticket expired if it died holding (kill -9); return the
     highest fence among the tickets looked at (0 if none), which the next fence must exceed.
 
     Caller holds the flock and the mutex; holding the flock proves that holder
-    is gone, since the kernel frees it only then. Only the ``holder`` pointer is
-    read, not every ticket: this runs on every hand-over. Without a usable pointer
-    (none yet, or garbage: it is only a hint) every live ticket is looked at instead.
+    is gone, since the kernel frees it only then. Only the ``holder`` pointer (``name``: the
+    slot's) is read, not every ticket: this runs on every hand-over. Without a usable pointer
+    (none yet, or garbage: it is only a hint) every live ticket is looked at instead; with
+    slots, only those of this slot (the others' holders may well be alive).
     """
-    previous = store.read_pointer("holder")
+    previous = store.read_pointer(name)
     if previous is not None:
         t = store.read_ticket(previous) if previous != new_ticket_id else None
         candidates = [t] if t is not None else []
     else:
-        candidates = store.tickets()
+        slot = slots.slot_of(name)
+        candidates = [t for t in store.tickets() if (t.slot or 0) == slot]
     floor = 0
     for t in candidates:
         floor = max(floor, t.fence or 0)
@@ -93,8 +96,9 @@ def housekeeping(store: LockStore, every: float = HOUSEKEEPING_EVERY) -> bool:
     return True
 
 
-def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
-    """Turn ``ticket`` into the held one; returns the token. Caller owns the flock."""
+def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool, slot: int = 0) -> str:
+    """Turn ``ticket`` into the held one (of slot ``slot``); returns the token. Caller owns the
+    slot's flock."""
     fault.point("after-flock")
     # A guarded side effect of the previous holder may still be in flight if
     # that holder was killed (-9 skips its own expiry path): wait for it, so
@@ -102,15 +106,18 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool) -> str:
     with guard_exclusive(store):
         pass
     with store.mutex():
+        # Two runs with different --slots that each found a slot free: the first to get here
+        # holds, the other is refused before it has a fence.
+        slots.check(store, ticket)
         # A fence file rolled back (restored from a backup, rewritten by hand) must not
         # reissue the last holder's fence: that holder's record is read here anyway.
-        floor = sweep_previous_holder(store, ticket.ticket_id)
+        floor = sweep_previous_holder(store, ticket.ticket_id, slots.pointer(slot))
         # The pointer goes first: a kill right after it names a ticket that is not held.
-        store.write_pointer("holder", ticket.ticket_id)
+        store.write_pointer(slots.pointer(slot), ticket.ticket_id)
         fence = store.bump_fence(floor)
         token = mint_token()
         ticket.state = HELD
-        ticket.fence = fence
+        ticket.fence, ticket.slot = fence, slot
         ticket.token_hash = token_hash(token)
         ticket.holder_pid = os.getpid()
         ticket.holder_start = proc.start_time(os.getpid())

@@ -28,7 +28,7 @@ from singleflight.core.const import HELD
 from singleflight.core.errors import PearingError, UnknownLock, Vanished
 from singleflight.core.fs import Dir, parse_int_record, same_file
 from singleflight.core.idle import Idle
-from singleflight.local import queue
+from singleflight.local import queue, slots
 from singleflight.local.records import LockRecords
 from singleflight.local.store import FENCE_FLOOR, LockDir, LockStore
 
@@ -89,6 +89,10 @@ def _facts(store: LockStore) -> Idle:
             in_use = "held" if t.state == HELD else "waiting"
     if in_use is None and _waiting(store):
         in_use = "waiting"
+    if in_use is None and slots.ever_slotted(store):
+        # Its slot files are taken without prune's check that a flocked file is still the one
+        # its name means (only the one-slot lock file has it): never removed, whatever its age.
+        in_use = "a lock with --slots (not pruned)"
     if in_use is None and _foreign_tokens(store):
         in_use = "a token file of a run on another backend"
     requests = []

@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 from singleflight.core.fs import Dir
 from singleflight.local.store import LockStore
@@ -154,6 +155,14 @@ def live_entries(store: LockStore) -> list[str]:
     return live
 
 
+class Head(Protocol):
+    """What the head of the line waits for when it is not one lock file (``slots.SlotSet``)."""
+
+    def until(self, deadline: float) -> bool: ...
+
+    def undo(self) -> None: ...
+
+
 class Waiter:
     """One place in the queue, held for as long as this object's fd is open.
 
@@ -220,11 +229,12 @@ class Waiter:
                 return name, d
         return None
 
-    def wait(self, lock_fd: int, deadline: Callable[[], float]) -> bool:
+    def wait(self, lock_fd: int, deadline: Callable[[], float], head: Head | None = None) -> bool:
         """Block until this waiter holds ``lock_fd`` (True) or ``deadline()`` passes.
 
         ``deadline`` is asked again whenever it runs out, so a heartbeat that
-        extends a waiting ticket keeps its place in line.
+        extends a waiting ticket keeps its place in line. ``head``: what the head of the
+        line waits for instead of ``lock_fd`` (a free one of a lock's slots).
         """
         assert self.name is not None
         while True:
@@ -236,10 +246,13 @@ class Waiter:
                 self._publish(mine)
             pred = self._predecessor(now)
             if pred is None:
-                if flock_until(lock_fd, mine):
+                if head.until(mine) if head is not None else flock_until(lock_fd, mine):
                     if time.monotonic() > deadline():
                         # Resumed after our deadline (a ^Z, a frozen VM): the lock is not ours to take.
-                        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                        if head is not None:
+                            head.undo()
+                        else:
+                            fcntl.flock(lock_fd, fcntl.LOCK_UN)
                         return False
                     return True
                 continue

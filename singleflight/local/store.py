@@ -6,9 +6,11 @@ LOCK_DIR/                      0700, owned by the user, never group/world-writab
   fence-floor                  the highest fence of every lock pruned as idle (pearing-cli prune)
   locks/SEG/SEG/@LOCK/         one dir per (repo, lock); '@' cannot occur in a scope
     lock                       the kernel flock the holder keeps; never unlinked
+    slot.N                     --slots: slot N's flock (slot 0 is ``lock``); never unlinked
     state.lock                 short mutex around read-modify-write of records
     guard.lock                 shared by pearing-guard exec, exclusive on expiry/release
     holder                     the ticket id of the last holder (a hint for sweeping it)
+    holder.N                   --slots: the same, of slot N
     fence                      last fence issued, decimal, fsynced before any token;
                                if missing, the next continues above every record's fence
                                and above LOCK_DIR/fence-floor (the highest fence prune retired)
@@ -208,12 +210,12 @@ class LockStore:
         already handed out; a corrupt record that would tell is reported (74), not skipped."""
         data = self.dir.read("fence")
         if data is None:
-            return self.highest_recorded_fence()
+            return highest_recorded_fence(self)
         return parse_int_record(self.dir.child_path("fence"), data)
 
     def bump_fence(self, floor: int = 0) -> int:
         """Issue the next fence, above the fence file and above ``floor`` (a fence a record
-        shows). Caller holds the lock's flock, so no one else bumps.
+        shows). Caller holds the mutex (and a slot's flock), so no one else bumps.
 
         The new value is on disk (fsynced, renamed, dir fsynced) before it is
         returned, so no token can ever carry a fence that a crash could reissue.
@@ -221,7 +223,7 @@ class LockStore:
         data = self.dir.read("fence")
         if data is None:
             # A new lock, or one pruned as idle: above what prune retired, too.
-            current = max(self.highest_recorded_fence(), self.lock_dir.fence_floor(), floor)
+            current = max(highest_recorded_fence(self), self.lock_dir.fence_floor(), floor)
         else:
             current = max(parse_int_record(self.dir.child_path("fence"), data), floor)
         if current >= MAX_FENCE:
@@ -230,27 +232,6 @@ class LockStore:
         self.dir.write_atomic("fence", f"{fence}\n".encode(), durable=True)
         fault.point("after-fence-bump")
         return fence
-
-    def highest_recorded_fence(self) -> int:
-        """The highest fence in tickets/, ended/ (the last holder's record is never pruned),
-        requests/ (and each one's previous run) and the success record; 0 if none shows one."""
-        highest = 0
-        # Only directories that exist: a new lock must not grow empty ones (disk per idle lock).
-        for sub in ("tickets", "ended"):
-            if self.dir.lstat(sub) is not None:
-                for t in self._records(sub):
-                    highest = max(highest, t.fence or 0)
-        names = self.sub("requests").listdir() if self.dir.lstat("requests") is not None else []
-        for name in names:
-            if name.endswith(".json") and not name.startswith("."):
-                rec = self.read_request(name[:-5])
-                while rec is not None:
-                    highest = max(highest, rec.fence or 0)
-                    rec = rec.previous
-        success = self._read_success()
-        if success is not None and success[1] is not None:
-            highest = max(highest, success[1])
-        return highest
 
     # -- tickets -----------------------------------------------------------
 
@@ -308,10 +289,12 @@ class LockStore:
         """Remove ended tickets older than ``keep``, except the last holder's: its fence is
         what a lost fence file continues from."""
         d = self.sub("ended")
-        last = self.read_pointer("holder")
+        # Every slot's last holder (``holder``, ``holder.N`` with --slots).
+        pointers = [n for n in self.dir.listdir() if n == "holder" or n.startswith("holder.")]
+        last = {f"{t}.json" for t in map(self.read_pointer, pointers) if t is not None}
         removed = 0
         for name in d.listdir():
-            if last is not None and name == f"{last}.json":
+            if name in last:
                 continue
             st = d.lstat(name)
             if st is not None and st.st_mtime < now - keep:
@@ -391,3 +374,25 @@ def flocked(store: LockStore, name: str, op: int = fcntl.LOCK_EX) -> int:
         os.close(fd)
         store.reopen()
     raise Vanished(store.dir.path)
+
+
+def highest_recorded_fence(store: LockStore) -> int:
+    """The highest fence in tickets/, ended/ (the last holder's record is never pruned),
+    requests/ (and each one's previous run) and the success record; 0 if none shows one."""
+    highest = 0
+    # Only directories that exist: a new lock must not grow empty ones (disk per idle lock).
+    for sub in ("tickets", "ended"):
+        if store.dir.lstat(sub) is not None:
+            for t in store._records(sub):
+                highest = max(highest, t.fence or 0)
+    names = store.sub("requests").listdir() if store.dir.lstat("requests") is not None else []
+    for name in names:
+        if name.endswith(".json") and not name.startswith("."):
+            rec = store.read_request(name[:-5])
+            while rec is not None:
+                highest = max(highest, rec.fence or 0)
+                rec = rec.previous
+    success = store._read_success()
+    if success is not None and success[1] is not None:
+        highest = max(highest, success[1])
+    return highest

@@ -60,8 +60,16 @@ def stands(lk: LockOps, by: str) -> bool:
 def target(lk: LockOps, ticket: Ticket) -> Asked | None:
     """The holder ``ticket`` may ask to stop. Only read: the request is made once we are in line
     (``ask``), where the holder can see that we wait."""
-    found = lk.holder_record()
-    return _askable(lk, found, ticket) if found is not None else None
+    for h in lk.holder_records():  # with --slots: the opted-in one with the lowest fence
+        asked = _askable(lk, h, ticket)
+        if asked is not None:
+            return asked
+    return None
+
+
+def _holder(lk: LockOps, ticket_id: str) -> Ticket | None:
+    """The holder ``ticket_id`` as recorded now, if it still holds (or is being stopped)."""
+    return next((h for h in lk.holder_records() if h.ticket_id == ticket_id), None)
 
 
 def _mark(lk: LockOps, holder: Ticket, by: str | None) -> bool:
@@ -97,8 +105,8 @@ def ask(lk: LockOps, ticket: Ticket, holder: Asked) -> Asked | None:
     now. An earlier request that stands keeps its place (we wait behind it all the same); one
     whose newcomer is gone is replaced. None when there is nobody to ask any more."""
     for _ in range(_TRIES):
-        h = lk.holder_record()
-        if h is None or h.ticket_id != holder.holder or _askable(lk, h, ticket) is None:
+        h = _holder(lk, holder.holder)
+        if h is None or _askable(lk, h, ticket) is None:
             return None
         if h.superseded_by == ticket.ticket_id or (h.superseded_by and stands(lk, h.superseded_by)):
             return holder
@@ -113,8 +121,8 @@ def withdraw(lk: LockOps, ticket: Ticket, asked: Asked) -> float:
     for us, its kill grace and the slack; once, the slack alone after it is gone, while its
     lock is handed on (it would otherwise go to nobody, and neither run did the work)."""
     for _ in range(_TRIES):
-        h = lk.holder_record()
-        if h is None or h.ticket_id != asked.holder:
+        h = _holder(lk, asked.holder)
+        if h is None:
             old = lk.read(asked.holder)
             stopped_for_us = old is not None and old.superseded_by == ticket.ticket_id and old.state != RELEASED
             return _handed_on(asked) if stopped_for_us else 0.0

@@ -163,28 +163,28 @@ def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
 def _status(backend: Backend, lk: LockOps, line: Line, tokens: TokenFiles) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     now = time.monotonic()
-    lease_left = None
     for i, e in enumerate(line.entries):
-        first = i == 0 and line.held
+        holding = i < line.holders
         if isinstance(e, dict):  # another client's key in the line (etcdctl lock)
             entries.append(e)
-            if first:
-                lease_left = e.pop("lease_left", None)
+            if holding:
+                e.setdefault("lease_left", None)
             continue
         entries.append(_public(backend, tokens, e, line.position(e.ticket_id)))
-        if first:
+        if holding:
             left = e.lease_left(now)
-            lease_left = None if left is None else round(max(0.0, left), 3)
-    holder = entries[0] if line.held else None
-    if holder is not None:
-        holder["lease_left"] = lease_left
+            entries[-1]["lease_left"] = None if left is None else round(max(0.0, left), 3)
+    holders = entries[: line.holders]
     return {
         "lock_name": lk.lock,
         "repo": lk.repo,
         "state": "held" if line.held else "free",
         "fence": line.fence,
-        "holder": holder,
-        "waiters": entries[1:] if line.held else entries,
+        # The holder with the lowest fence (the only one without --slots); every one in ``holders``.
+        "holder": holders[0] if holders else None,
+        "holders": holders,
+        "slots": {"used": len(holders), "total": line.slots},
+        "waiters": entries[line.holders :],
         **line.extra,
     }
 

@@ -21,6 +21,8 @@ complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l lease-s
 complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l wait-seconds -x -d 'wait in FIFO order up to SECONDS (default 0)'
 complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l repo -x -d 'scope (default PEARING_REPO, else \'default\')'
 complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l request-key -x -d 'any event id: the request uuid is its UUIDv5'
+complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l max-waiting -x -d 'busy at once if N already wait (0-10000)'
+complete -c pearing-cli -n '__fish_seen_subcommand_from acquire-lock' -l slots -x -d 'at most N holders at once (1-1000)'
 complete -c pearing-cli -n '__fish_seen_subcommand_from get-lock-ticket' -l repo -x -d 'scope (default PEARING_REPO, else \'default\')'
 complete -c pearing-cli -n '__fish_seen_subcommand_from heartbeat-lock-ticket' -l lease-seconds -x -d 'new lease, from now (default 60)'
 complete -c pearing-cli -n '__fish_seen_subcommand_from heartbeat-lock-ticket' -l repo -x -d 'scope (default PEARING_REPO, else \'default\')'

@@ -26,6 +26,8 @@ complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l lock-dir -
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -s v -l verbose -d 'lifecycle lines on stderr'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l queue -x -a 'fifo latest' -d 'latest: a newer waiter replaces older ones'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l cancel-in-progress -d 'stop an opted-in holder, then take the lock'
+complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l max-waiting -x -d 'busy at once if N already wait (0-10000)'
+complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l slots -x -d 'at most N COMMANDs at once, each its own fence (1-1000)'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l log-format -x -a 'text json' -d 'stderr line format (default text)'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l version -d 'print the version and exit'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -s h -l help -d 'show this help and exit'

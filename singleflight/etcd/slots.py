@@ -1,0 +1,83 @@
+"""``--slots N`` on etcd: the semaphore recipe on the lock's line, and a slot number per holder.
+
+The line is the mutex's (``lock.py``): keys under ``q/`` in create-revision order. With N slots
+the first N keys hold (``Mutex.wait_first``: a key holds once fewer than N are ahead of it), so
+promotion stays FIFO and each holder's fence is still its key's create revision: unique, and
+rising in the order runs took the lock. A holder also needs a number, 0..N-1, that no other
+holder has at the same time (``PEARING_SLOT``): a key ``sl/I`` whose value is the holder's queue
+key, on the holder's lease, so it goes with the holder (revoked, or lapsed after a kill -9).
+It is taken by compare-and-swap: a free number, or one whose holder's queue key is gone (its
+lease not yet lapsed: the holder is gone all the same).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from singleflight.core.errors import BackendUnavailable, SlotsMismatch
+from singleflight.core.ticket import Ticket
+from singleflight.etcd.client import cmp, op_put, op_range, ranged
+from singleflight.etcd.lock import Mutex
+from singleflight.etcd.records import parse
+
+# Rounds of compare-and-swap lost to other holders before giving up (each loser reads again).
+_TRIES = 20
+
+
+def check(mutex: Mutex, ticket: Ticket, line: list[dict[str, Any]] | None = None, *, before: int = 0) -> None:
+    """``ticket``'s slots against those of the live tickets in line (another client's keys say
+    nothing), or only of those ahead of create revision ``before``: of two runs that disagree,
+    the later leaves. A lock has one number of slots at a time."""
+    if line is None:
+        line, _ = mutex.queue()
+    for kv in line:
+        if before and kv["create_revision"] >= before:
+            continue
+        t = parse(kv["value"])
+        if t is not None and t.live and t.ticket_id != ticket.ticket_id and t.slots != ticket.slots:
+            raise SlotsMismatch(ticket.slots, t.slots)
+
+
+def claim(mutex: Mutex, ticket: Ticket, mine: dict[str, Any], lease: int) -> int:
+    """The lowest slot number free for the holder whose queue key is ``mine``, taken on ``lease``."""
+    n, key = ticket.slots, str(mine["key"])
+    for _ in range(_TRIES):
+        r = mutex.cluster.txn([], [op_range(mutex.sl, prefix=True), op_range(mutex.q, prefix=True)], [])
+        taken, line = ranged(r, 0)[0], ranged(r, 1)[0]
+        check(mutex, ticket, line, before=mine["create_revision"])
+        in_line = {kv["key"] for kv in line}
+        owners = {int(kv["key"][len(mutex.sl) :]): kv for kv in taken if kv["key"][len(mutex.sl) :].isdigit()}
+        for i in range(n):
+            kv = owners.get(i)
+            if kv is not None and kv["value"].decode(errors="replace") == key:
+                return i  # ours already: the member that applied our claim died before answering
+            if kv is None:
+                checks = [cmp(mutex.sl + str(i), "CREATE", "EQUAL", 0)]
+            elif kv["value"].decode(errors="replace") not in in_line:
+                gone = kv["value"].decode(errors="replace")
+                checks = [cmp(mutex.sl + str(i), "MOD", "EQUAL", kv["mod_revision"]), cmp(gone, "CREATE", "EQUAL", 0)]
+            else:
+                continue
+            done = mutex.cluster.txn(checks, [op_put(mutex.sl + str(i), key.encode(), lease)], [])
+            if done.get("succeeded"):
+                return i
+            break  # someone else got it: read again
+        else:
+            time.sleep(0.05)  # every number is a live holder's: one is letting go right now
+    raise BackendUnavailable(mutex.cluster.url, f"no free slot of {n} for {key}")
+
+
+def guarded(mutex: Mutex) -> bool:
+    """Is a guarded side effect (pearing-guard exec) in flight? A new holder waits for it to land."""
+    r = mutex.cluster.txn([], [op_range(mutex.g, prefix=True, limit=1, keys_only=True)], [])
+    return bool(ranged(r, 0)[0])
+
+
+def holders(mutex: Mutex, line: list[dict[str, Any]]) -> int:
+    """How many keys at the head of ``line`` hold: as many as the first ticket's slots (another
+    client's key holds alone, as an ``etcdctl lock`` holder)."""
+    if not line:
+        return 0
+    first = parse(line[0]["value"])
+    return min(len(line), first.slots if first is not None else 1)

@@ -1,0 +1,184 @@
+"""``--slots N`` on the lock dir: N flocked slot files, and the FIFO line in front of them.
+
+Slot 0 is the lock file itself (``lock``), so one slot is today's lock, file for file; slot i
+is ``slot.i``. A holder keeps its slot's fd flocked exactly as a one-slot holder keeps the lock
+file's (wrapper and holder share the open file description: the kernel frees the slot once both
+let go, or die). Each slot has its own holder pointer (``holder``, ``holder.i``): holding a
+slot's flock proves that slot's previous holder is gone, and only that one is swept.
+
+Waiters queue in ``queue/`` as for one slot; only the head of the line waits for a slot. No
+flock waits for "any of N files", so the head keeps an fd on every slot file and an inotify
+watch on each: the kernel reports the last close of a slot file's open file description
+(``IN_CLOSE_WRITE``: a holder letting go, or killed), and the head tries every slot again. Its
+own fds stay open while it waits, so it never wakes itself; a newcomer's probe of a slot wakes
+it for nothing, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import select
+import signal
+import time
+from typing import Final
+
+from singleflight.core import proc
+from singleflight.core.const import HELD, WAITING
+from singleflight.core.errors import SlotsMismatch
+from singleflight.core.ticket import Ticket
+from singleflight.local.queue import POKES, Interrupted, try_flock
+from singleflight.local.store import LockStore
+
+_IN_CLOSE_WRITE: Final = 0x00000008
+_IN_NONBLOCK_CLOEXEC: Final = os.O_NONBLOCK | os.O_CLOEXEC
+# poll() takes an int of milliseconds.
+_MAX_POLL_MS: Final = 2**31 - 1
+
+
+def slot_file(i: int) -> str:
+    return "lock" if i == 0 else f"slot.{i}"
+
+
+def pointer(i: int) -> str:
+    """The pointer naming the last holder of slot ``i``."""
+    return "holder" if i == 0 else f"holder.{i}"
+
+
+def slot_of(name: str) -> int:
+    """The slot a holder pointer is of."""
+    return 0 if name == "holder" else int(name[7:])
+
+
+def pointers(store: LockStore) -> list[str]:
+    """Every slot's holder pointer that exists (``holder`` first)."""
+    extra = sorted(
+        (n for n in store.dir.listdir() if n.startswith("holder.") and n[7:].isdigit() and n[7:].isascii()),
+        key=lambda n: int(n[7:]),
+    )
+    return ["holder", *extra]
+
+
+def ever_slotted(store: LockStore) -> bool:
+    """Has this lock ever had more than one slot? (One stat: a one-slot lock pays no more.)"""
+    return store.dir.lstat(slot_file(1)) is not None
+
+
+def check(store: LockStore, ticket: Ticket) -> None:
+    """``ticket``'s slots against the live tickets' (caller holds the mutex): a lock has one
+    number of slots at a time. A ticket whose process is gone does not count."""
+    if ticket.slots == 1 and not ever_slotted(store):
+        return
+    for t in store.tickets():
+        if (
+            t.ticket_id != ticket.ticket_id
+            and t.state in (HELD, WAITING)
+            and t.slots != ticket.slots
+            and proc.alive(t.holder_pid, t.holder_start)
+        ):
+            raise SlotsMismatch(ticket.slots, t.slots)
+
+
+class _Inotify:
+    """inotify(7) through libc: Python's standard library has no binding."""
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        fd = self.libc.inotify_init1(_IN_NONBLOCK_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.fd: int = fd
+
+    def watch(self, fd: int) -> None:
+        """Watch the file ``fd`` is open on (its inode: the path through /proc follows no link
+        in the lock dir)."""
+        if self.libc.inotify_add_watch(self.fd, f"/proc/self/fd/{fd}".encode(), _IN_CLOSE_WRITE) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class SlotSet:
+    """An fd on each of a lock's ``n`` slot files; ``taken``: the slot whose flock is ours."""
+
+    def __init__(self, store: LockStore, n: int) -> None:
+        self.fds: list[int] = []
+        self.taken: int | None = None
+        self._watch: _Inotify | None = None
+        try:
+            for i in range(n):
+                self.fds.append(store.open_lock_file(slot_file(i)))
+        except BaseException:
+            self.close()
+            raise
+
+    def try_any(self) -> int | None:
+        """The first free slot, flocked now (None: every slot is held)."""
+        for i, fd in enumerate(self.fds):
+            if try_flock(fd):
+                self.taken = i
+                return i
+        return None
+
+    def until(self, deadline: float) -> bool:
+        """Block until a slot is ours (True) or ``deadline`` (monotonic) passes, or a poke (the
+        waiter's signal: re-read the ticket) cuts the wait short (False)."""
+        if self._watch is None:
+            self._watch = _Inotify()
+            for fd in self.fds:
+                self._watch.watch(fd)
+        poller = select.poll()
+        poller.register(self._watch.fd, select.POLLIN)
+        while True:
+            # Watches first, then the look: a release between the two still wakes the poll.
+            self._watch.drain()
+            if self.try_any() is not None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+            try:
+                # As in ``queue.flock_until``: a poke is let in only during the kernel wait.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, POKES)
+                poller.poll(min(_MAX_POLL_MS, int(left * 1000) + 1))
+            except Interrupted:
+                return False
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def undo(self) -> None:
+        """Give back the slot taken (resumed past its deadline: not ours to use)."""
+        if self.taken is not None:
+            fcntl.flock(self.fds[self.taken], fcntl.LOCK_UN)
+            self.taken = None
+
+    def keep_taken(self) -> int:
+        """The taken slot's fd, handed to the grip; every other fd is closed."""
+        assert self.taken is not None
+        fd = self.fds[self.taken]
+        self.fds[self.taken] = -1
+        self.close()
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd >= 0:
+                os.close(fd)
+        self.fds = []
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None

@@ -1,0 +1,119 @@
+"""A storm on four slots: 40 contenders of one lock with ``--slots 4``, and a seeded nemesis that
+kills wrappers, holders and COMMANDs with -9 at random moments. Checked by the nemesis campaign's
+checker (tests/test_nemesis.py), slot by slot: within a slot no two COMMANDs overlap and fences
+only rise; over the lock, never more than four COMMANDs at once and no fence issued twice.
+
+A COMMAND's interval ends at its end line or, killed, when the campaign's watcher saw it die (a
+pidfd), never earlier. Each COMMAND notes its pid and slot, then execs the campaign's COMMAND:
+one pid, so the watcher's step and the slot meet by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import PEARING_CLI, Procs, q, wait_for
+from test_nemesis import Step, Watcher, check
+
+_SEED = int(os.environ.get("NEMESIS_SEED", "25"))
+_SLOTS = 4
+_CONTENDERS = 40
+_KILLS = 12  # of the wrapper, holder or COMMAND of a run holding a slot
+_ALIVE = 12
+_COMMAND = str(Path(__file__).with_name("nemesis_command.py"))
+
+
+def _most_at_once(steps: list[Step]) -> int:
+    events = sorted([(s.start_ns, 1) for s in steps] + [(s.stop_ns, -1) for s in steps])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    ppid = int(data[data.rindex(b")") + 2 :].split()[1])
+    return ppid if ppid > 1 else None
+
+
+def _holder_pids(procs: Procs) -> list[int]:
+    out = procs.run_text([PEARING_CLI, "status", "S", "--json"])
+    locks = json.loads(out.stdout or "[]")
+    return [int(h["holder_pid"]) for h in (locks[0]["holders"] if locks else []) if h.get("holder_pid")]
+
+
+def test_a_storm_with_kills_on_four_slots(backend: str, procs: Procs, work: Path) -> None:
+    rng = random.Random(_SEED)
+    log, slots = work / "log", work / "slots"
+    watcher = Watcher(log)
+    watcher.start()
+    ps: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> None:
+        cid = len(ps)
+        hold = rng.choice(["0.3", "0.6", "1.0"])
+        command = (
+            f'echo "$$ $PEARING_SLOT $PEARING_FENCE" >> {q(slots)}; '
+            f"exec {q(sys.executable)} {q(_COMMAND)} run {q(log)} {cid} hold={hold}"
+        )
+        flags = ("--job", "S", "--slots", str(_SLOTS), "--lease-seconds", "3", "--kill-grace", "1")
+        ps.append(procs.pr(*flags, "--wait-seconds", "120", "--", "sh", "-c", command))
+
+    kills: list[tuple[str, int]] = []
+    deadline = time.monotonic() + 180
+    while (len(ps) < _CONTENDERS or any(p.poll() is None for p in ps)) and time.monotonic() < deadline:
+        # A steady storm, as the campaign's rounds are: up to 12 runs alive, 40 in all.
+        while len(ps) < _CONTENDERS and sum(p.poll() is None for p in ps) < _ALIVE:
+            spawn()
+        time.sleep(rng.uniform(0.2, 0.6))
+        kind = rng.choice(["wrapper", "holder", "command", "none"]) if len(kills) < _KILLS else "none"
+        if kind == "wrapper":  # the pearing-run of a run whose COMMAND is running
+            victims = [p for s in watcher.live() if (p := _parent(s.pid))][:1]
+        elif kind == "holder":
+            victims = [rng.choice(found)] if (found := _holder_pids(procs)) else []
+        elif kind == "command":
+            victims = [rng.choice(live_steps).pid] if (live_steps := watcher.live()) else []
+        else:
+            victims = []
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills.append((kind, pid))
+            except ProcessLookupError:
+                pass
+    for p in ps:
+        procs.finish(p, timeout=60)
+    # Killed wrappers leave their holders to end their runs: every COMMAND goes in time.
+    wait_for(lambda: not watcher.live(), 60, "every COMMAND to end")
+    watcher.finish(30)
+    assert not watcher.problems, watcher.problems
+    assert kills, "the nemesis killed nothing"
+
+    slot_of = {}
+    for line in slots.read_text().splitlines():
+        pid, slot, fence = line.split()
+        slot_of[int(pid)] = (int(slot), int(fence))
+    steps = watcher.steps
+    assert len(steps) >= _CONTENDERS - _KILLS, f"only {len(steps)} COMMANDs ran"
+    assert all(s.pid in slot_of and slot_of[s.pid][1] == s.fence for s in steps)
+    assert {slot_of[s.pid][0] for s in steps} <= set(range(_SLOTS))
+    summary = f"seed {_SEED}: {len(steps)} COMMANDs, {len(kills)} kills"
+    assert _most_at_once(steps) <= _SLOTS, summary
+    fences = [s.fence for s in steps]
+    assert len(fences) == len(set(fences)), f"{summary}: a fence issued twice"
+    for slot in range(_SLOTS):
+        verdict = check([s for s in steps if slot_of[s.pid][0] == slot], [])
+        assert not verdict.violations(), f"{summary}, slot {slot}: {verdict.violations()}"
