@@ -90,6 +90,13 @@ def detach(keep: set[int]) -> None:
     os.closerange(low, max_fd if max_fd > 0 else 1024)
 
 
+def _renewing(cfg: HolderConfig, cmd: Watched) -> bool:
+    """Auto heartbeat while the wrapper runs (pearing-run), or while the Lock's block runs."""
+    if not cfg.heartbeat_auto or cmd.done:
+        return False
+    return cfg.owned_by_wrapper or cmd.pid is not None
+
+
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
@@ -99,6 +106,7 @@ class Holder:
         self.tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
         self._first_lease = False  # renew once, as COMMAND starts (manual heartbeat)
+        self._taken_expiry = lease.ticket.lease_expires_at  # as taken: no beat has moved it yet
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         for sig in HOLDER_SIGNALS:
@@ -134,7 +142,7 @@ class Holder:
             deadlines = [self.lease.ticket.lease_deadline_mono or now]
             if max_deadline is not None:
                 deadlines.append(max_deadline)
-            if self._renewing():
+            if _renewing(self.cfg, self.cmd):
                 deadlines.append(renew_at)
             timeout_ms = min(_MAX_POLL_MS, max(0, int((min(deadlines) - now) * 1000) + 1))
             # The backend's news for the lease (an etcd holder's key changed: a cancel request).
@@ -178,16 +186,16 @@ class Holder:
                 self._check_lease()
             if max_deadline is not None and now >= max_deadline:
                 self.lose(Loss(EndReason.MAX_RUNTIME, self.cfg.max_runtime))
-            if self._first_lease or (self._renewing() and now >= renew_at):
+            if self._first_lease:
                 self._first_lease = False
+                # Unless COMMAND has beaten already (its pearing-cli can land before we hear it
+                # started): its beat stands, length and deadline (SPEC: the lease now runs N s).
+                self._check_lease()
+                if self.lease.ticket.lease_expires_at == self._taken_expiry:
+                    self.lease.renew()
+            elif _renewing(self.cfg, self.cmd) and now >= renew_at:
                 self.lease.renew()
                 renew_at = now + renew_every
-
-    def _renewing(self) -> bool:
-        """Auto heartbeat while the wrapper runs (pearing-run), or while the Lock's block runs."""
-        if not self.cfg.heartbeat_auto or self.cmd.done:
-            return False
-        return self.cfg.owned_by_wrapper or self.cmd.pid is not None
 
     def _on_signals(self, sigs: bytes) -> None:
         for sig in sigs:
@@ -250,7 +258,7 @@ class Holder:
 
     def _keep_guarded(self) -> None:
         """While a cancel waits for our guarded commands: the lease as the loop would keep it."""
-        if self._renewing():
+        if _renewing(self.cfg, self.cmd):
             self.lease.renew()
         else:
             self.lease.keep()

@@ -13,6 +13,7 @@ import json
 import os
 import pty
 import re
+import signal
 import stat
 import sys
 import time
@@ -33,6 +34,7 @@ from helpers import (
     line_file,
     lock_status,
     pid_alive,
+    proc_state,
     q,
     stored_blobs,
     ticket_ids,
@@ -571,6 +573,53 @@ def test_heartbeat_sets_the_new_lease_length(backend: str, work_procs: Procs, wo
     got = json.loads((work / "get.json").read_text())
     assert hb["lease_seconds"] == got["lease_seconds"] == 5, (hb, got)
     assert _epoch(hb["lease_expires_at"]) - time.time() < 6, hb
+
+
+def _forks_of(procs: Procs, wrapper: int) -> list[int]:
+    """The test's other pearing-run processes with the wrapper's command line: its holder."""
+    want = Path(f"/proc/{wrapper}/cmdline").read_bytes()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != wrapper:
+            try:
+                if (d / "cmdline").read_bytes() == want and procs.marker in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def test_a_beat_command_sends_before_its_holder_hears_it_started_stands(
+    backend: str, work_procs: Procs, work: Path
+) -> None:
+    """--heartbeat manual: the holder gives COMMAND a fresh first lease when it hears COMMAND
+    started, and a fast pearing-cli can beat before that. The holder is frozen until COMMAND has
+    beaten (5 s on a 30 s lease): the beat stands, its length and deadline, never the holder's 30 s
+    over it (it once did: a shorter beat, or a longer one, silently undone)."""
+    gate = Gate(work)
+    beat = f"{q(PEARING_CLI)} heartbeat-lock-ticket --lease-seconds 5 > hb.json && touch beaten"
+    argv = [PEARING_RUN, "--job", "thread-work.8", "--heartbeat", "manual", "--lease-seconds", "30"]
+    env = {**work_procs.env, "PEARING_FAULT": "pause-command-spawn"}
+    run = work_procs.start([*argv, "--", "sh", "-c", f"{beat}; {gate.script()}"], env=env)
+    wait_for(lambda: proc_state(run.pid) == "T", 15, "the wrapper to pause right before COMMAND's spawn")
+    [holder] = wait_for(lambda: _forks_of(work_procs, run.pid), 15, "the holder")
+    os.kill(holder, signal.SIGSTOP)
+    os.kill(run.pid, signal.SIGCONT)
+    gate.wait_ready(timeout=15)
+    os.kill(holder, signal.SIGCONT)
+    hb = json.loads((work / "hb.json").read_text())
+    assert hb["lease_seconds"] == 5, hb
+
+    def settled() -> dict[str, Any] | None:
+        t = lock_status(work_procs, "thread-work.8")["holder"]
+        return t if t and t["holder_pid"] == holder else None
+
+    got = wait_for(settled, 15, "the holder to look at its lease")  # it has heard COMMAND started
+    time.sleep(0.5)  # what a holder that renews on hearing it would have written by now
+    got = lock_status(work_procs, "thread-work.8")["holder"]
+    assert (got["lease_seconds"], got["lease_expires_at"]) == (5, hb["lease_expires_at"]), (hb, got)
+    gate.open()
+    assert work_procs.finish(run).returncode == 0
 
 
 def test_get_shows_the_expiry_the_last_heartbeat_set(backend: str, work_procs: Procs) -> None:

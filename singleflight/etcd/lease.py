@@ -163,12 +163,13 @@ class EtcdLease:
             t = parse(kv["value"]) if kv is not None else None
             if kv is None or t is None or not t.live or kv["create_revision"] != self.fence:
                 return False  # the next check says why
-            # A heartbeat (pearing-cli) came in between: never write back an older deadline,
-            # nor drop a cancel request (``check`` acts on it).
+            # A heartbeat (pearing-cli) came in between: it stands, shorter or longer (SPEC: the
+            # lease now runs N seconds), never our own deadline written over it; nor is a cancel
+            # request dropped (``check`` acts on it). The lock dir's renewal does the same.
             self.mod = kv["mod_revision"]
             self.ticket.superseded_by = self.ticket.superseded_by or t.superseded_by
             due = deadline_mono(t)
-            if due is not None and due > self.deadline:
+            if due is not None:
                 self.deadline = due
                 self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
         return False

@@ -132,9 +132,11 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool, slot: in
     return token
 
 
-def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
+def renew(store: LockStore, ticket_id: str, seconds: float, seen: float | None) -> Ticket:
     """The holder's own renewal: its lease runs ``seconds`` from now. Refused once it lapsed,
-    even if the holder has not yet noticed (a frozen holder woken late): never revived."""
+    even if the holder has not yet noticed (a frozen holder woken late): never revived. A
+    heartbeat the holder has not seen yet (the lease's expiry is no longer ``seen``) stands,
+    shorter or longer, as on etcd: the ticket is returned as that beat left it."""
     with store.mutex():
         t = store.read_ticket(ticket_id)
         if t is None:
@@ -142,6 +144,8 @@ def renew(store: LockStore, ticket_id: str, seconds: float) -> Ticket:
         refused = t.refusal(gone=not proc.alive(t.holder_pid, t.holder_start))
         if refused is not None:
             raise NotHeld(t.ticket_id, refused)
+        if t.lease_expires_at != seen:
+            return t
         t.set_lease(seconds)
         store.write_ticket(t)
     return t

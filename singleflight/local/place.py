@@ -164,7 +164,8 @@ class LocalLease:
         self.store, self.grip, self.ticket = store, grip, ticket
 
     def renew(self) -> None:
-        self.ticket = lease.renew(self.store, self.ticket.ticket_id, self.ticket.lease_seconds)
+        t = self.ticket
+        self.ticket = lease.renew(self.store, t.ticket_id, t.lease_seconds, t.lease_expires_at)
 
     def check(self) -> Loss | None:
         with self.store.mutex():
