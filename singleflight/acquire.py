@@ -59,7 +59,9 @@ def acquire(
     grip = None
     asked = None
     try:
-        on_queued(place.queue(deadline()))
+        # Asked by the backend, not here: a run's ticket is written as it joins (the lock
+        # dir's ``queue``), and before that its lease reads as ended, 0.
+        on_queued(place.queue(deadline))
         # Asked once we are in line: a holder acts only on a request whose newcomer waits there.
         asked = events.ask(lk, ticket, holder) if holder is not None else None
         grip = place.wait(deadline)

@@ -80,10 +80,11 @@ class Place(Protocol):
     def grip(self) -> Grip | None:
         """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
 
-    def queue(self, deadline: float) -> int:
-        """Take a place at the end of the line, held at most until ``deadline`` (monotonic; later
-        calls of ``wait``'s ``deadline`` may extend it); its 1-based position. A ticket whose
-        ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters and takes their place."""
+    def queue(self, deadline: Callable[[], float]) -> int:
+        """Take a place at the end of the line, held at most until ``deadline()`` (monotonic; asked
+        once the ticket is written, and later calls by ``wait`` may extend it); its 1-based
+        position. A ticket whose ``queue_mode`` is ``latest`` cancels the older ``latest`` waiters
+        and takes their place."""
 
     def wait(self, deadline: Callable[[], float]) -> Grip | None:
         """Block until first in line and holding (the grip), or ``deadline()`` (monotonic) passes.

@@ -42,7 +42,7 @@ class EtcdPlace:
         self.keep_lease = 0
         self.gone = False
 
-    def queue(self, deadline: float) -> int:
+    def queue(self, deadline: Callable[[], float]) -> int:
         mutex = self.lk.mutex
         # A key of ours on a short lease: a waiter killed with -9 leaves the line within seconds.
         self.waiting_kept = time.monotonic()

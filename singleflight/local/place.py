@@ -59,7 +59,7 @@ class LocalPlace:
         self.waiter: queue.Waiter | None = None
         self._mask: set[int | signal.Signals] | None = None  # the signal mask before we queued
 
-    def queue(self, deadline: float) -> int:
+    def queue(self, deadline: Callable[[], float]) -> int:
         store = self.store
         # From the moment our entry is visible, release-lock-ticket or a newer `latest` run may
         # poke us: held back until the wait's kernel call, where it is handled.
@@ -71,9 +71,13 @@ class LocalPlace:
             if self.ticket.queue_mode == QUEUE_LATEST:
                 superseded = self._supersede()
             place = min((queue.seq_of(store, t.ticket_id) or 0 for t in superseded), default=0)
-            self.waiter.enqueue(deadline, seq=place or None)
             if store.read_ticket(self.ticket.ticket_id) is None:
                 store.write_ticket(self.ticket)
+            # Asked once the ticket is written: before, a run's lease reads as ended (0), and an
+            # entry published with 0 is stale from birth, to newcomers a waiter frozen past its
+            # deadline, until the wait's first pass: a run stopped there (or forking its holder
+            # on a loaded host) was skipped by the runs behind it.
+            self.waiter.enqueue(deadline(), seq=place or None)
         for t in superseded:
             lease.poke(t, waiter=True)  # its waiter re-reads its ticket at once and leaves busy
         return self.waiter.position()
