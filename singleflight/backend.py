@@ -15,10 +15,10 @@ The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
     lease, taken = lock.take(grip, ticket, ...)    # in the holder: fence, token, token file
     Holder(lease, ...).serve()                     # renew / check / end / release
 
-A holder is forked with the grip (the lock dir: its flocked fd passes to the holder only
-that way), or, where a grip is data (etcd: ``grip_is_data`` in the scheme table), as the run starts
-to wait; it is then handed the grip (``Grip.handover``, which ``LockOps.take`` takes as the grip) once the run is
-first, and no fork lies between the previous holder's release and COMMAND's start.
+A holder is forked as the run starts to wait, and handed the grip once the run is first: what
+``Grip.handover`` says, which ``LockOps.take`` takes as the grip, and the grip's fds (``Grip.fds``:
+the lock dir's flocked fd, passed over a socketpair). No fork lies between the previous
+holder's release and COMMAND's start. A run that takes a free lock forks its holder with it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class Grip(Protocol):
         """How often ``keep`` must be called while COMMAND lives (None: never needed)."""
 
     def fds(self) -> set[int]:
-        """The fds a forked holder must keep open (the rest are closed)."""
+        """The fds a forked holder must keep open (the rest are closed), and that go with
+        ``handover`` to a holder forked before the grip existed."""
 
     def keep(self) -> None:
         """Keep the lock ours a while longer (an etcd keepalive); never raises."""
@@ -69,8 +70,8 @@ class Grip(Protocol):
         """The holder is gone and COMMAND is dead: free the lock now."""
 
     def handover(self) -> dict[str, Any]:
-        """What a holder forked before this grip existed needs to take it over: ``take`` accepts it.
-        Only asked where the scheme table says ``grip_is_data`` (a lock dir's grip is an fd: {})."""
+        """What a holder forked before this grip existed needs to take it over, beside ``fds``
+        (which come with it, as ``"fds"``, the holder's numbers): ``take`` accepts it."""
 
 
 class Place(Protocol):
