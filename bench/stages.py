@@ -23,7 +23,7 @@ from typing import Any
 BIN = Path(sys.executable).parent
 RUN = str(BIN / "pearing-run")
 STRACE = shutil.which("strace")
-CALLS = "execve,clone,clone3,flock,fsync,fdatasync,exit_group"
+CALLS = "execve,clone,clone3,flock,fsync,fdatasync,sendmsg,exit_group"
 _LINE = re.compile(r"^(\d+) +(\d+\.\d+) (.*?)(?: <(\d+\.\d+)>)?$")
 
 
@@ -96,14 +96,16 @@ def handover(tmp: Path, env: dict[str, str]) -> dict[str, float]:
         raise SystemExit("bench.stages: a hand-over run failed")
     ev = _events(log)
     woken = _first(ev, lambda s: s.startswith("flock(") and "LOCK_EX)" in s and s.endswith("= 0"), released)
-    forked = _first(ev, lambda s: s.startswith("clone("), woken)
-    spawned = _spawn([e for e in ev if e[1] >= forked])
-    synced = max(t for _, t, s in ev if s.startswith(("fsync(", "fdatasync(")) and forked <= t < spawned)
+    # The holder forked as the run joined the line is handed the flocked fd (sendmsg); a run
+    # whose standby holder died forks one with it (clone).
+    handed = _first(ev, lambda s: s.startswith(("clone(", "sendmsg(")), woken)
+    spawned = _spawn([e for e in ev if e[1] >= handed])
+    synced = max(t for _, t, s in ev if s.startswith(("fsync(", "fdatasync(")) and handed <= t < spawned)
     execd = _first(ev, lambda s: s.startswith('execve("/bin/true"'), spawned)
     return {
         "gate opened to next run's flock returns (old COMMAND ends, old holder lets go)": woken - released,
-        "flock to holder forked": forked - woken,
-        "holder forked to fence durable (fsyncs)": synced - forked,
+        "flock to the holder handed the fd": handed - woken,
+        "holder handed the fd to fence durable (fsyncs)": synced - handed,
         "fence durable to COMMAND spawned": spawned - synced,
         "spawned to COMMAND exec": execd - spawned,
         "total: gate opened to next COMMAND exec": execd - released,

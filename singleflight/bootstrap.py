@@ -1,8 +1,9 @@
 """How pearing-run's holder is born: forked by the wrapper and detached (its own session, none
-of the caller's fds), with the grip; or, where a grip is data (``grip_is_data`` in the scheme table),
-forked as the run starts to wait and handed the grip over the pipe (``go``) once first, so no
-fork lies between the previous holder's release and COMMAND's start. The child then takes the
-lease and serves it (``holder.Holder``) until the run is over."""
+of the caller's fds) as the run starts to wait, and handed the grip (``go``) once first: what
+``Grip.handover`` says and the grip's fds (the lock dir's flocked fd, over a socketpair), so no
+fork lies between the previous holder's release and COMMAND's start. A run that gets the lock
+at once, or whose standby holder died, forks it with the grip instead. The child then takes
+the lease and serves it (``holder.Holder``) until the run is over."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from singleflight.core.const import ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
+from singleflight.core.tokens import token_hash
 from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
 
 if TYPE_CHECKING:
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
 
 
 def fork_holder(o: RunOptions, ticket: Ticket, grip: Grip | None) -> tuple[int, Channel]:
-    """The holder's pid and the wrapper's end of their pipes."""
+    """The holder's pid and the wrapper's end of their channel. Forked without the grip, the
+    holder hears from us over a socketpair, which can carry the grip's fds with ``go``."""
     cfg = HolderConfig(
         heartbeat_auto=o.heartbeat_auto,
         max_runtime=o.max_runtime,
@@ -34,7 +37,7 @@ def fork_holder(o: RunOptions, ticket: Ticket, grip: Grip | None) -> tuple[int, 
         dedupe_window=o.dedupe_window,
         record_success=o.min_interval is not None,
     )
-    to_r, to_w = os.pipe()
+    to_r, to_w = os.pipe() if grip is not None else protocol.socketpair()
     from_r, from_w = os.pipe()
     # Until the holder's own handlers are in place (Holder() unblocks them), a stop
     # signal or a poke stays pending instead of hitting the wrapper's handlers in it.
@@ -64,10 +67,15 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
         lk = backend.lock(o.repo, o.job, create=False)
         held: Grip | dict[str, Any] | None = grip
         if held is None:
-            msg = chan.recv()
+            token_hash("")  # its hash module loaded now, while the run waits, not after the fence
+            msg, fds = chan.recv_fds()
             if msg is None or msg.kind != protocol.GO:
+                for fd in fds:
+                    os.close(fd)
                 return ExitCode.OK  # the run ended without the lock (timed out, busy, killed)
-            held = msg.info  # what ``Grip.handover`` described: ``take`` takes it as the grip
+            # What ``Grip.handover`` described and the grip's fds (ours now, the wrapper keeps
+            # its own): ``take`` takes them as the grip.
+            held = {**msg.info, "fds": fds}
         fault.pause("pause-holder-start")
         lease, taken = lk.take(held, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
         chan.send(protocol.ready(taken))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
-from singleflight.core import proc, schemes
+from singleflight.core import proc
 from singleflight.core.const import (
     CANCELLED,
     CLAIM_BUSY,
@@ -143,10 +143,12 @@ class Runner:
         def on_queued(position: int) -> None:
             self.ticket.promoted = True  # if it is ever held, it waited behind another run
             self.log.event("waiting", lock=o.job, position=position, max_wait=Seconds(o.wait_seconds))
-            if schemes.grip_is_data(o.backend) and self.standby is None:
+            if self.standby is None:  # the holder is ready when we are first: no fork then
                 from singleflight.bootstrap import fork_holder
 
                 self.holder_pid, self.standby = fork_holder(o, self.ticket, None)
+                # What holding the lock needs, loaded while we wait rather than after the hand-over.
+                from singleflight import command, holding  # noqa: F401
 
         try:
             grip = acquire(

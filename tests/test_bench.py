@@ -35,4 +35,4 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     if shutil.which("strace"):  # stage stamps: each stage found in the trace, none negative
         for run in ("uncontended", "handover"):
             assert all(ms >= 0 for ms in result["stages"][run].values()), result["stages"]
-        assert "holder forked to fence durable (fsyncs)" in result["stages"]["handover"], result["stages"]
+        assert "holder handed the fd to fence durable (fsyncs)" in result["stages"]["handover"], result["stages"]

@@ -80,8 +80,9 @@ def test_started_with_stdio_closed_the_holder_keeps_the_lock(backend: str, procs
 def test_a_run_that_waits_with_stdio_closed_takes_its_turn_and_nobody_runs_beside_it(
     backend: str, procs: Procs, work: Path
 ) -> None:
-    """Closed fds 0-2 on a run that has to wait: its pipes to the holder (on etcd, a holder
-    forked as it starts to wait) must not land on 0-2, and the hand-over must still hold."""
+    """Closed fds 0-2 on a run that has to wait: its channel to the holder it forks as it starts
+    to wait (a socketpair and a pipe) must not land on 0-2, and the hand-over (on the lock dir,
+    the flocked fd passed over that socketpair) must still hold."""
     log = work / "log"
     gate = Gate(work)
     a = procs.pr("--job", "cw", "--", "sh", "-c", gate.script())

@@ -1,8 +1,9 @@
 """The messages between a wrapper (pearing-run, a CLI call, a ``Lock``) and its holder.
 
-One line per message over a pair of pipes. Pipes rather than a socketpair:
-``socket`` costs milliseconds to import, and we only need two one-way byte
-streams that report EOF when the peer dies.
+One line per message over a pair of pipes, two one-way byte streams that report EOF when the
+peer dies. A holder forked as the run starts to wait hears from its owner over a socketpair
+instead: ``go`` may carry the grip's fds (SCM_RIGHTS; a pipe cannot), the lock dir's flocked
+fd. Through ``_socket``, not ``socket``: the module costs milliseconds to import, its C core one.
 
     holder -> owner   queued                    waiting in line (the agent)
                       ready {json}              lock taken: fence, token, token file, env
@@ -12,7 +13,7 @@ streams that report EOF when the peer dies.
                       ended                     the ticket ended before it was held
                       error NAME MESSAGE        failed; NAME is an ExitCode member
     owner -> holder   go {json}                 first in line: the grip (to a holder forked
-                                                as the run started to wait)
+                                                as the run started to wait), with its fds
                       spawning TICKS            COMMAND is about to start (its pid comes next);
                                                 TICKS: now, on the clock of /proc's start times
                       started PID STAMP         COMMAND (or the Lock's process) runs
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Collection
 from typing import Any
 
 from singleflight.core.const import ExitCode
@@ -207,18 +210,34 @@ def decode(line: str) -> Message:
     return Message(ERROR, code=ExitCode.SOFTWARE, text=f"internal error: garbled message {line[:80]!r}")
 
 
+_MAX_FDS = 4  # a grip's fds that one message carries at most; more are refused, never leaked
+_FD_BYTES = 4  # an int, as SCM_RIGHTS carries it
+
+
+def socketpair() -> tuple[int, int]:
+    """Two connected stream sockets' fds (close-on-exec): the one way a message can carry fds."""
+    import _socket
+
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    return a.detach(), b.detach()
+
+
 class Channel:
     def __init__(self, rfd: int, wfd: int) -> None:
         self.rfd, self.wfd = rfd, wfd
         self._buf = b""
         self.eof = False
 
-    def send(self, msg: Message) -> bool:
-        """False when the peer is gone (EPIPE); the caller decides what that means."""
+    def send(self, msg: Message, fds: Collection[int] = ()) -> bool:
+        """False when the peer is gone (EPIPE); the caller decides what that means. ``fds`` go
+        with the message's first byte (SCM_RIGHTS: ``wfd`` must be a socket); the peer gets
+        copies (the same open files), ours stay open."""
         if self.wfd < 0:
             return False
         data = memoryview(msg.encode().encode() + b"\n")
         try:
+            if fds:
+                data = data[self._send_fds(data, sorted(fds)) :]
             # One line is one message: a write that a signal cut short is finished, never left
             # torn (a torn line decodes as a garbled message, 70). Lines under PIPE_BUF are
             # written whole anyway; a larger one (a long environment) may not be.
@@ -228,6 +247,50 @@ class Channel:
             self.close_write()
             return False
         return True
+
+    def _send_fds(self, data: memoryview, fds: list[int]) -> int:
+        import _socket
+
+        assert len(fds) <= _MAX_FDS, fds
+        rights = b"".join(fd.to_bytes(_FD_BYTES, sys.byteorder, signed=True) for fd in fds)
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, self.wfd)
+        try:
+            # MSG_NOSIGNAL: a peer gone is EPIPE here, as on a pipe where SIGPIPE is ignored.
+            ancillary = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)]
+            sent: int = sock.sendmsg([data], ancillary, _socket.MSG_NOSIGNAL)
+        finally:
+            sock.detach()  # the fd stays ours: the socket object only lent its methods
+        return sent
+
+    def recv_fds(self) -> tuple[Message | None, list[int]]:
+        """Block for the next message and the fds that came with it (close-on-exec, ours to
+        close); None on EOF. A plain read would drop them: the wait for ``go`` reads this way."""
+        import _socket
+
+        fds: list[int] = []
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, self.rfd)
+        try:
+            while b"\n" not in self._buf and not self.eof:
+                space = _socket.CMSG_SPACE(_MAX_FDS * _FD_BYTES)
+                try:
+                    chunk, ancillary, _, _ = sock.recvmsg(65536, space, _socket.MSG_CMSG_CLOEXEC)
+                except OSError:
+                    chunk, ancillary = b"", []  # as a pipe's reader sees its writer gone: EOF
+                for level, kind, blob in ancillary:
+                    if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                        usable = len(blob) - len(blob) % _FD_BYTES
+                        fds += [
+                            int.from_bytes(blob[i : i + _FD_BYTES], sys.byteorder, signed=True)
+                            for i in range(0, usable, _FD_BYTES)
+                        ]
+                self._buf += chunk
+                self.eof = not chunk
+        finally:
+            sock.detach()
+        if b"\n" not in self._buf:
+            return None, fds
+        line, self._buf = self._buf.split(b"\n", 1)
+        return decode(line.decode(errors="replace")), fds
 
     def fill(self) -> None:
         """Read what is available (call when poll says rfd is readable)."""

@@ -12,15 +12,10 @@ from typing import Any, Final
 
 
 class Scheme:
-    __slots__ = ("check", "form", "grip_is_data", "module", "name", "prefix")
+    __slots__ = ("check", "form", "module", "name", "prefix")
 
-    def __init__(
-        self, name: str, prefix: str, module: str, *, form: str, check: str | None = None, grip_is_data: bool = False
-    ) -> None:
+    def __init__(self, name: str, prefix: str, module: str, *, form: str, check: str | None = None) -> None:
         self.name, self.prefix, self.module, self.form, self.check = name, prefix, module, form, check
-        # A grip that is data (not an fd) can be handed by message (``Grip.handover``) to a holder
-        # forked as the run starts to wait, so no fork lies between the hand-over and COMMAND.
-        self.grip_is_data = grip_is_data
 
     def matches(self, url: str) -> bool:
         return url == self.prefix if not self.prefix.endswith("://") else url.startswith(self.prefix)
@@ -50,7 +45,6 @@ SCHEMES: Final = (
         "singleflight.etcd.backend:EtcdBackend",
         form="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
         check="singleflight.etcd.client:parse_url",
-        grip_is_data=True,
     ),
 )
 DEFAULT: Final = SCHEMES[0]
@@ -58,11 +52,6 @@ DEFAULT: Final = SCHEMES[0]
 
 def scheme_of(url: str) -> Scheme | None:
     return next((s for s in SCHEMES if s.matches(url)), None)
-
-
-def grip_is_data(url: str) -> bool:
-    scheme = scheme_of(url)
-    return scheme is not None and scheme.grip_is_data
 
 
 def forms() -> str:

@@ -137,7 +137,11 @@ class LocalLock:
             if fd >= 0:
                 os.close(fd)
 
-    def take(self, grip: FlockGrip, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[LocalLease, Taken]:
+    def take(
+        self, grip: FlockGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float
+    ) -> tuple[LocalLease, Taken]:
+        if isinstance(grip, dict):  # handed over to a holder forked as the run started to wait
+            grip = FlockGrip.from_handover(grip)
         token = lease.take_ownership(self.store, ticket, promoted=promoted, slot=grip.slot)
         assert ticket.fence is not None
         env = {ENV_SLOT: str(grip.slot)}

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 class FlockGrip:
     """The lock file's fd (or slot ``slot``'s file's), flocked. One open file description, so
-    one flock: the wrapper's and the holder's copies (fork) keep the lock until both are closed."""
+    one flock: the wrapper's and the holder's copies (fork, or SCM_RIGHTS) keep the lock until
+    both are closed."""
 
     keep_every = None
 
@@ -49,7 +50,17 @@ class FlockGrip:
     release = close
 
     def handover(self) -> dict[str, Any]:
-        return {}  # an fd: the holder gets it by the fork (its scheme says no ``grip_is_data``)
+        return {"slot": self.slot}  # the fd itself goes beside the message (``fds``)
+
+    @classmethod
+    def from_handover(cls, info: dict[str, Any]) -> FlockGrip:
+        """The grip ``handover`` described, with the fd that came with it (ours now)."""
+        fds = info.get("fds")
+        if not isinstance(fds, list) or len(fds) != 1 or not isinstance(fds[0], int):
+            for fd in fds if isinstance(fds, list) else ():
+                os.close(fd)
+            raise ValueError(f"a lock dir's grip is one fd, not {fds!r}")  # a bug: reported as 70
+        return cls(fds[0], slot=int(info.get("slot", 0)))
 
 
 def _on_poke(signum: int, frame: FrameType | None) -> None:
