@@ -190,8 +190,9 @@ class Holder:
                 self._first_lease = False
                 # Unless COMMAND has beaten already (its pearing-cli can land before we hear it
                 # started): its beat stands, length and deadline (SPEC: the lease now runs N s).
+                # (An etcd line's record shows no expiry until its holder settles: no beat yet.)
                 self._check_lease()
-                if self.lease.ticket.lease_expires_at == self._taken_expiry:
+                if self.lease.ticket.lease_expires_at in (None, self._taken_expiry):
                     self.lease.renew()
             elif _renewing(self.cfg, self.cmd) and now >= renew_at:
                 self.lease.renew()

@@ -389,7 +389,7 @@ def test_healthy_lease_survives_a_wall_clock_jump(store: Any, monkeypatch: pytes
     assert t.refusal(gone=False) is None  # the rule every heartbeat applies (rules.tickets.heartbeat)
     verdict = judged(store, t, token)
     assert verdict.ok, verdict.reason
-    assert lease.renew(store, t.ticket_id, 60.0).state == HELD
+    assert lease.renew(store, t.ticket_id, 60.0, t.lease_expires_at).state == HELD
 
 
 @pytest.mark.parametrize("jump", [-3600.0, 3600.0])
@@ -408,7 +408,7 @@ def test_expired_lease_is_not_revived_by_a_wall_clock_jump(
     verdict = judged(store, t, token)
     assert not verdict.ok and verdict.reason.startswith("lease expired"), verdict.reason
     with pytest.raises(NotHeld, match="lease expired"):
-        lease.renew(store, t.ticket_id, 60.0)
+        lease.renew(store, t.ticket_id, 60.0, t.lease_expires_at)
 
 
 # -- a full disk ------------------------------------------------------------------------------------

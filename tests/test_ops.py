@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from caps import Caps
-from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, q, wait_queued
+from helpers import BIN_DIR, PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, holder_pid, q, wait_queued
 
 from singleflight import __version__
 from singleflight.core.const import ExitCode
@@ -193,8 +193,9 @@ def test_journald_priority_prefix_when_stderr_is_the_journal_stream(backend: str
 
 def _held(procs: Procs, work: Path) -> Gate:
     gate = Gate(work)
-    procs.pr("--job", "j", "--identity", "codex", "--", "sh", "-c", gate.script())
+    run = procs.pr("--job", "j", "--identity", "codex", "--", "sh", "-c", gate.script())
     gate.wait_ready()
+    holder_pid(procs, "j", run.pid)  # recorded (on etcd a moment after COMMAND starts): lease left too
     return gate
 
 

@@ -79,12 +79,25 @@ def dump_env(path: Path) -> str:
 
 
 def holder_pid_of(procs: Procs, job: str, ticket_id: str) -> int:
-    """The detached holder of a held pearing-run ticket, as ``get-lock-ticket`` shows it."""
-    t = get_ticket(procs, job, ticket_id)
-    assert t["state"] == "held", t
-    pid = t["holder_pid"]
-    assert isinstance(pid, int) and pid > 1, t
-    return pid
+    """The detached holder of a held pearing-run ticket, as ``get-lock-ticket`` shows it once the
+    holder has recorded itself: etcd names the wrapper, which waited in line, until its holder
+    settles, a moment after COMMAND starts. The holder leads its own session; the wrapper not."""
+
+    def settled() -> int | None:
+        t = get_ticket(procs, job, ticket_id)
+        assert t["state"] == "held", t
+        pid = t["holder_pid"]
+        assert isinstance(pid, int) and pid > 1, t
+        return pid if _leads_its_session(pid) else None
+
+    return int(wait_for(settled, 15, "the holder to record its pid"))
+
+
+def _leads_its_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 def assert_next_fence(caps: Caps, before: int, after: int) -> None:
