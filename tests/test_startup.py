@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PEARING_GUARD, Gate, Procs, holder_pid
+from helpers import PEARING_GUARD, PEARING_RUN, Gate, Procs, holder_pid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,3 +69,23 @@ def test_neither_the_holder_nor_the_guard_loads_openssl(backend: str, procs: Pro
     assert not imported & set(OPENSSL), sorted(imported & set(OPENSSL))
     gate.open()
     assert procs.finish(run).returncode == 0
+
+
+# What an uncontended pearing-run never needs before COMMAND starts, each a few ms or more:
+# libffi (ctypes: the inotify of a head of the line waiting on --slots), OpenSSL, typer, the
+# subprocess and threading machinery, inspect (dataclasses). (socket is etcd's client's.)
+NOT_ON_THE_HOT_PATH = {"ctypes", "hashlib", "hmac", "secrets", "typer", "subprocess", "threading", "inspect"}
+
+
+def test_an_uncontended_run_imports_none_of_the_costly_modules(backend: str, procs: Procs, work: Path) -> None:
+    """The wrapper, traced with ``-X importtime`` (its holder is a fork of it, so what the wrapper
+    loaded is the holder's too; the holder's own later imports go to its /dev/null, and the
+    OpenSSL test above looks at its memory instead). ctypes once came in with --slots, ~8 ms."""
+    trace = work / "imports"
+    r = procs.run(
+        [sys.executable, "-X", "importtime", PEARING_RUN, "--job", "J", "--", "true"], stderr=trace.open("wb")
+    )
+    assert r.returncode == 0, r
+    imported = {line.split("|")[-1].strip() for line in trace.read_text().splitlines() if "|" in line}
+    assert "singleflight.runner" in imported, "the trace is not of pearing-run"
+    assert not imported & NOT_ON_THE_HOT_PATH, sorted(imported & NOT_ON_THE_HOT_PATH)

@@ -16,7 +16,6 @@ it for nothing, once.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import select
@@ -84,10 +83,13 @@ class _Inotify:
     """inotify(7) through libc: Python's standard library has no binding."""
 
     def __init__(self) -> None:
+        import ctypes  # here: only a head of the line waiting on --slots needs it (libffi, ~8 ms)
+
+        self._ctypes = ctypes
         self.libc = ctypes.CDLL(None, use_errno=True)
         fd = self.libc.inotify_init1(_IN_NONBLOCK_CLOEXEC)
         if fd < 0:
-            err = ctypes.get_errno()
+            err = self._ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         self.fd: int = fd
 
@@ -95,7 +97,7 @@ class _Inotify:
         """Watch the file ``fd`` is open on (its inode: the path through /proc follows no link
         in the lock dir)."""
         if self.libc.inotify_add_watch(self.fd, f"/proc/self/fd/{fd}".encode(), _IN_CLOSE_WRITE) < 0:
-            err = ctypes.get_errno()
+            err = self._ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 
     def drain(self) -> None:
