@@ -105,7 +105,9 @@ class Lease(Protocol):
     ticket: Ticket
 
     def renew(self) -> None:
-        """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat)."""
+        """Extend the lease by ``ticket.lease_seconds`` (auto heartbeat); never over a heartbeat
+        the holder has not seen (compare-and-set on what it last read): that beat then stands,
+        and ``ticket`` says so. Every store; the holder's first manual lease relies on it."""
 
     def check(self) -> Loss | None:
         """At the deadline or when poked: None if still ours (deadline updated), else why it is
