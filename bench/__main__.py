@@ -324,7 +324,9 @@ def expiry(tmp: Path, runs: int) -> dict[str, Any]:
         d = tmp / f"exp{i}"
         d.mkdir()
         env = _env(d / "lockdir")
-        argv = [RUN, "--job", "e", "--heartbeat", "manual", "--lease-seconds", "0.5", "--kill-grace", "5"]
+        # Long enough for the trap's interpreter to start and set its handler on a loaded
+        # machine (the lease counts from COMMAND's start): what is measured is the lag after it.
+        argv = [RUN, "--job", "e", "--heartbeat", "manual", "--lease-seconds", "1.5", "--kill-grace", "5"]
         cmd = [*argv, "--", PY, str(script), str(d / "term"), str(d / "ready")]
         rc = subprocess.run(cmd, env=env, check=False).returncode
         if rc != 124:

@@ -181,6 +181,7 @@ def test_a_bad_older_than_is_64_with_one_line_and_nothing_removed(
     value: str, backend: str, procs: Procs, lock_dir: Path
 ) -> None:
     assert procs.pr_run("--job", "keep", "--", "true").returncode == 0
+    procs.wait_idle()  # its holder tidies up (housekeeping) after pearing-run returned
     before = stored_blobs(procs.env, lock_dir)
     r = procs.run_text([PEARING_CLI, "prune", "--older-than", value])
     assert r.returncode == ExitCode.USAGE, r
