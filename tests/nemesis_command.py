@@ -57,6 +57,8 @@ class Plan:
     """What one COMMAND does, from ``KEY=VALUE`` arguments chosen by the test's seeded RNG.
 
     hold=S          run this long, then end
+    until=PATH      ... or end as soon as PATH exists (a test's gate, instead of a guess at how
+                    long the others take to start on a loaded machine)
     term=die|S      on SIGTERM: die at once (default action), or take S s to clean up
                     (then record ``end ... term``): the late end where overlaps hide
     hb=auto|P|P:H   --heartbeat manual: heartbeat every P s (stop after H s: a hung agent)
@@ -79,6 +81,7 @@ class Plan:
         self.max = kv.get("max", "1")
         self.resource = kv.get("resource", "nemesis")
         self.target = kv.get("target", "")
+        self.until = kv.get("until", "")
 
 
 def run(log: str, cid: str, plan: Plan) -> int:
@@ -103,7 +106,7 @@ def run(log: str, cid: str, plan: Plan) -> int:
     next_hb = started + (period or 0)
     while True:
         now = time.monotonic()
-        if now - started >= plan.hold:
+        if now - started >= plan.hold or (plan.until and os.path.exists(plan.until)):
             break
         if not wrote and now - started >= plan.hold / 2:
             wrote = True

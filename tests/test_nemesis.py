@@ -1230,7 +1230,10 @@ def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     default), long past its 1 s wait. SPEC: a ^Z waiter keeps its place at most until its wait
     deadline."""
     solo = Solo(procs, work)
-    solo.start("h", [], ["hold=4"])  # long enough for w1 and w2 to be in line on a loaded machine
+    # h holds until w1 and w2 are both in line (a gate, not a guess: at a load of 13, 4 s was
+    # not enough for w2 to start, and it then found the lock free and never waited).
+    gate = work / "h-may-end"
+    solo.start("h", [], ["hold=120", f"until={gate}"])
     solo.started("h")
     w1 = solo.start("w1", ["--wait-seconds", "1"], ["hold=0.1"])
     solo.waiting("w1", lock_dir, env)
@@ -1238,6 +1241,7 @@ def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     assert stime is not None and kill_exact(w1.pid, stime, signal.SIGSTOP)
     w2 = solo.start("w2", ["--wait-seconds", "10"], ["hold=0.1"])
     solo.waiting("w2", lock_dir, env)
+    gate.touch()
     wait_for(lambda: w2.poll() is not None, 30, "w2 to run or give up")  # w1 stays frozen till then
     kill_exact(w1.pid, stime, signal.SIGCONT)
     codes, v = solo.finish()
