@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from singleflight.core import fault
-from singleflight.core.const import CANCELLED
+from singleflight.core.const import CANCELLED, TYPE_CHECKING
 from singleflight.core.errors import LineFull, PearingError
 from singleflight.core.reasons import EndReason
 from singleflight.rules import events
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from singleflight.backend import Grip, LockOps
     from singleflight.core.ticket import Ticket
 

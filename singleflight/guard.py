@@ -17,16 +17,18 @@ The Python API of ``pearing-guard``::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from singleflight.backend import open_backend
 from singleflight.core import names
-from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR
+from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR, TYPE_CHECKING
 from singleflight.core.errors import BadValue, LockDirError, NotHeld
 from singleflight.core.fs import Dir, resolve_lock_dir
 from singleflight.core.tokens import Verdict, read_claim
 from singleflight.rules import records, verdict
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
 
 __all__ = ["Verdict", "accept_fence", "guarded", "verify"]
 

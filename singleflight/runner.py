@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
@@ -25,6 +24,7 @@ from singleflight.core.const import (
     CANCELLED,
     CLAIM_BUSY,
     CLAIM_DONE,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.errors import LineFull, PearingError

@@ -21,16 +21,26 @@ import os
 import select
 import signal
 import sys
-from typing import NoReturn
 
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Command, Option, parse, render, rows, usage
 from singleflight.cli._script import script
 from singleflight.core import fault, names, schemes
-from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ENV_FENCE, ENV_LOCK, ENV_REPO, ExitCode
+from singleflight.core.const import (
+    DEFAULT_GUARD_MAX_SECONDS,
+    ENV_BACKEND,
+    ENV_FENCE,
+    ENV_LOCK,
+    ENV_REPO,
+    TYPE_CHECKING,
+    ExitCode,
+)
 from singleflight.core.errors import BadValue, PearingError, ToolFailed, UsageError
 from singleflight.core.log import Log
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence|git-push [options] [-- CMD...] [REMOTE REFSPEC...]"

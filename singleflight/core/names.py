@@ -15,12 +15,22 @@ Plain string checks instead of ``re``: this runs on every ``pearing-run`` and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Final, Literal, overload
 
 from singleflight.core import keys
-from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SECONDS, MAX_SLOTS, MAX_WAITING, MIN_LEASE_SECONDS
+from singleflight.core.const import (
+    MAX_ACTIVITY,
+    MAX_FENCE,
+    MAX_SECONDS,
+    MAX_SLOTS,
+    MAX_WAITING,
+    MIN_LEASE_SECONDS,
+    TYPE_CHECKING,
+)
 from singleflight.core.errors import BadValue, UsageError, shown
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Final, Literal, overload
 
 _ALNUM: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _NAME_CHARS: Final = _ALNUM | frozenset("._-")
@@ -66,14 +76,18 @@ def request_uuid(value: str, what: str = "request uuid") -> str:
     return low
 
 
-@overload
-def request(
-    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: Literal[True]
-) -> str: ...
-@overload
-def request(
-    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: bool = ...
-) -> str | None: ...
+if TYPE_CHECKING:  # the overloads are the checker's: typing stays off the start-up path
+
+    @overload
+    def request(
+        uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: Literal[True]
+    ) -> str: ...
+    @overload
+    def request(
+        uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: bool = ...
+    ) -> str | None: ...
+
+
 def request(
     uuid: str | None,
     key: str | None,

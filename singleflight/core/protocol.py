@@ -29,11 +29,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Collection
-from typing import Any
 
-from singleflight.core.const import ExitCode
+from singleflight.core.const import TYPE_CHECKING, ExitCode
 from singleflight.core.reasons import EndReason, Loss
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+    from typing import Any
 
 QUEUED = "queued"
 READY = "ready"

@@ -10,12 +10,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
-from typing import Any, Final
 
 from singleflight.core import names
-from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING
+from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING, TYPE_CHECKING
 from singleflight.core.errors import BadValue
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
 
 
 def rfc3339(epoch: float | None) -> str | None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
 
-from singleflight.core.const import REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED
+from singleflight.core.const import REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED, TYPE_CHECKING
 from singleflight.core.record import checked, is_uuid, loads
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
+
     from singleflight.core.ticket import Ticket
 
 # A lock's records, as a backend names them (``Backend.read_record``): the last successful

@@ -8,7 +8,10 @@ Modules are named, not imported: a pearing-run on the lock dir never loads etcd'
 
 from __future__ import annotations
 
-from typing import Any, Final
+from singleflight.core.const import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 
 class Scheme:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from typing import Any, Final
 
 from singleflight.core import names
 from singleflight.core.const import (
@@ -19,10 +17,15 @@ from singleflight.core.const import (
     QUEUE_FIFO,
     QUEUE_MODES,
     RELEASED,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import HEX, checked, is_uuid, loads, rfc3339, valid
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
 # or mean nothing to users (monotonic stamps, the holder's start time).

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Mapping
-from typing import Any
 
 from singleflight.core import names, schemes
 from singleflight.core.const import (
@@ -23,11 +21,16 @@ from singleflight.core.const import (
     ENV_TICKET,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
+    TYPE_CHECKING,
 )
 from singleflight.core.errors import BadValue, LockDirError, UsageError, Vanished
 from singleflight.core.fs import Dir, lock_parts, resolve_lock_dir
 from singleflight.core.record import loads, rfc3339
 from singleflight.core.ticket import Ticket
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any
 
 # A token file is a few hundred bytes; anything larger is not ours.
 _MAX_TOKEN_FILE = 65536

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
@@ -19,6 +17,7 @@ from singleflight.core.const import (
     ENV_SLOT,
     HELD,
     REQUEST_ACTIVE,
+    TYPE_CHECKING,
 )
 from singleflight.core.idle import Idle
 from singleflight.core.protocol import Taken
@@ -52,6 +51,10 @@ from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import parse, parse_ticket, stamp_lease
 from singleflight.etcd.tickets import EtcdTickets
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any
 
 _REQUEST_RETENTION = 24 * 3600.0
 

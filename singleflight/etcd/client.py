@@ -17,13 +17,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-from typing import Any
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, BadValue
 from singleflight.etcd.wire import Conn
 
-API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
+if TYPE_CHECKING:
+    from typing import Any
 
+API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
 
 DEFAULT_PREFIX = "pearing"
 _URL_RULE = "must be etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.const import HELD, WAITING
+from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def value(

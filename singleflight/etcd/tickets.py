@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
-from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
@@ -22,6 +20,10 @@ from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, r
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 
 class EtcdTickets:

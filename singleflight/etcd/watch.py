@@ -20,10 +20,15 @@ import contextlib
 import json
 import select
 import time
-from typing import Any, Protocol
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.wire import Stream
+
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class Members(Protocol):

@@ -6,9 +6,7 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
@@ -16,6 +14,7 @@ from singleflight.core.const import (
     EXPIRED,
     HELD,
     REQUEST_ACTIVE,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
@@ -32,6 +31,9 @@ from singleflight.local.records import ActivityRecords, LockRecords
 from singleflight.local.store import LockDir, LockStore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
     from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Protocol
 
-from singleflight.core.const import MAX_FENCE
+from singleflight.core.const import MAX_FENCE, TYPE_CHECKING
 from singleflight.core.errors import CorruptRecord, StaleFence
 from singleflight.core.record import loads
 from singleflight.core.request import ANY_VERSION, Key, activity_record, fence_record
 
 if TYPE_CHECKING:
+    from typing import Any, Protocol
+
     from singleflight.backend import Backend
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class _Ledger(Protocol):

@@ -12,14 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import TYPE_CHECKING, Any
 
-from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE
+from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, CorruptRecord
 from singleflight.core.record import epoch, loads
 from singleflight.core.request import ANY_VERSION, SUCCESS_RECORD, Key, RequestRecord, lock_record, request_record
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.backend import Backend, LockOps
     from singleflight.core.ticket import Ticket
 
