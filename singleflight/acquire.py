@@ -55,7 +55,6 @@ def acquire(
         return min(until, ticket_deadline())
 
     # Import what holding needs now, while we wait, not after the hand-over.
-    import json  # noqa: F401
     import select  # noqa: F401
 
     from singleflight import holder as _holder  # noqa: F401

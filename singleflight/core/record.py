@@ -6,12 +6,11 @@ with the two values every record carries: times as users read them and fresh uui
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 
-from singleflight.core import names
+from singleflight.core import jsontext, names
 from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING, TYPE_CHECKING
 from singleflight.core.errors import BadValue
 
@@ -117,7 +116,7 @@ def checked(
 def loads(data: bytes) -> Any:
     """JSON of a record; ValueError for anything that is not (deep nesting included)."""
     try:
-        return json.loads(data)
+        return jsontext.loads(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

@@ -6,10 +6,9 @@ Plain ``__slots__`` classes (this one and ``request.RequestRecord``) rather than
 
 from __future__ import annotations
 
-import json
 import time
 
-from singleflight.core import names
+from singleflight.core import jsontext, names
 from singleflight.core.const import (
     CANCELLED,
     EXPIRED,
@@ -197,7 +196,7 @@ class Ticket:
         return {name: getattr(self, name) for name in FIELDS}
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict()).encode()
+        return jsontext.dumps(self.to_dict()).encode()
 
     @classmethod
     def from_dict(cls, obj: Any) -> Ticket:

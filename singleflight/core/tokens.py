@@ -7,11 +7,10 @@ holder's 0600 token file; and what a guard reads back from that file or the envi
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 
-from singleflight.core import names, schemes
+from singleflight.core import jsontext, names, schemes
 from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
@@ -142,7 +141,7 @@ class TokenFiles:
             d = self._tokens()
             assert d is not None
             try:
-                d.write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+                d.write_atomic(f"{ticket.ticket_id}.token", jsontext.dumps(body).encode(), durable=False)
                 break
             except Vanished:
                 # Pruned as idle on this host (another backend's lock of the same name) between our

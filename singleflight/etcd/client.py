@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 
+from singleflight.core import jsontext
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, BadValue
 from singleflight.etcd.wire import Conn
@@ -103,7 +103,7 @@ _MEMBER_STATES = frozenset(
 
 def _refusal(detail: str | None) -> Refused | None:
     try:
-        body = json.loads(detail or "")
+        body = jsontext.loads(detail or "")
         code = int(body.get("code", -1))
     except (ValueError, TypeError, AttributeError, RecursionError):
         return None
@@ -168,7 +168,7 @@ def decode(path: str, request: dict[str, Any], data: bytes) -> dict[str, Any]:
     a header with the revision, a key in every kv, and for a txn one response per op of the
     branch it took, each of that op's kind."""
     try:
-        obj = json.loads(data)
+        obj = jsontext.loads(data)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
         raise NotEtcd(f"not JSON: {exc}") from None
     r = _check(obj, "answer")
@@ -228,7 +228,7 @@ class Cluster:
         ``rules.requests.claim``); a grant sent twice leaves a lease nobody uses, which
         lapses at its TTL; a revoke or delete of what is gone already does nothing.
         """
-        payload = json.dumps(body).encode()
+        payload = jsontext.dumps(body).encode()
         errors = []
         for i in range(len(self.endpoints)):
             k = (self.current + i) % len(self.endpoints)

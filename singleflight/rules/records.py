@@ -5,9 +5,9 @@ is checked and when a fence is stale are decided here."""
 
 from __future__ import annotations
 
-import json
 import time
 
+from singleflight.core import jsontext
 from singleflight.core.const import MAX_FENCE, TYPE_CHECKING
 from singleflight.core.errors import CorruptRecord, StaleFence
 from singleflight.core.record import loads
@@ -45,7 +45,7 @@ def read_activity(backend: Backend, identity: str) -> str | None:
 
 def write_activity(backend: Backend, identity: str, text: str | None) -> None:
     """Set (text) or clear (None) what ``identity`` is doing; the last word wins."""
-    body = None if text is None else json.dumps({"activity": text, "at": time.time()}).encode()
+    body = None if text is None else jsontext.dumps({"activity": text, "at": time.time()}).encode()
     backend.write_record(activity_record(identity), body, ANY_VERSION)
 
 
