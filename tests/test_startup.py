@@ -112,7 +112,7 @@ def test_jsontext_refuses_what_json_refuses_in_its_words() -> None:
 def test_neither_the_holder_nor_the_guard_loads_openssl(backend: str, procs: Procs, work: Path) -> None:
     """The holder's memory has no libcrypto mapped while COMMAND runs, and a guarded COMMAND's
     ``pearing-guard verify``, traced with ``-X importtime``, accepts the token without importing
-    any of hashlib, hmac or secrets."""
+    any of hashlib, hmac or secrets, nor any module an uncontended run does without."""
     gate = Gate(work)
     trace = work / "imports"
     script = f'{sys.executable} -X importtime {PEARING_GUARD} verify 2>"{trace}" && {gate.script()}'
@@ -124,6 +124,8 @@ def test_neither_the_holder_nor_the_guard_loads_openssl(backend: str, procs: Pro
     imported = {line.split("|")[-1].strip() for line in trace.read_text().splitlines() if "|" in line}
     assert "singleflight.cli.guard" in imported, "the trace is not of pearing-guard"
     assert not imported & set(OPENSSL), sorted(imported & set(OPENSSL))
+    # Nor anything else an uncontended run does without (below): verify is every guarded write's.
+    assert not imported & NOT_ON_THE_HOT_PATH, sorted(imported & NOT_ON_THE_HOT_PATH)
     gate.open()
     assert procs.finish(run).returncode == 0
 
@@ -132,12 +134,13 @@ def test_neither_the_holder_nor_the_guard_loads_openssl(backend: str, procs: Pro
 # libffi (ctypes: the inotify of a head of the line waiting on --slots), OpenSSL, typer, the
 # subprocess and threading machinery, inspect (dataclasses). (socket is etcd's client's.) Nor,
 # each a few ms: typing (its names are the type checker's) and the json package (records are
-# read and written with its C half, core.jsontext). (re stays: pip's console-script wrapper
+# read and written with its C half, core.jsontext), nor the idna codec's unicodedata and stringprep
+# (etcd's client resolves an address without them). (re stays: pip's console-script wrapper
 # imports it before our first line. importlib and warnings are left too, on a regular install:
 # an editable install's import hook, as here, loads them itself.)
 NOT_ON_THE_HOT_PATH = {
     *("ctypes", "hashlib", "hmac", "secrets", "typer", "subprocess", "threading", "inspect"),
-    *("typing", "json"),
+    *("typing", "json", "unicodedata", "stringprep"),
 }
 
 
