@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-from singleflight.core import keys
 from singleflight.core.const import (
     MAX_ACTIVITY,
     MAX_FENCE,
@@ -103,6 +102,8 @@ def request(
     if uuid is not None and key is not None:
         raise UsageError(f"give {uuid_what} or {key_what}, not both")
     if key is not None:
+        from singleflight.core import keys  # --request-key's alone
+
         return keys.request_key_uuid(key, key_what)
     if uuid is not None:
         return request_uuid(uuid, uuid_what)

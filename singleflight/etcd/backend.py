@@ -19,7 +19,6 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     TYPE_CHECKING,
 )
-from singleflight.core.idle import Idle
 from singleflight.core.protocol import Taken
 from singleflight.core.request import (
     ACTIVITY_PREFIX,
@@ -33,7 +32,6 @@ from singleflight.core.request import (
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records, slots
-from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import (
     Cluster,
     cmp,
@@ -55,6 +53,8 @@ from singleflight.etcd.tickets import EtcdTickets
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from typing import Any
+
+    from singleflight.core.idle import Idle
 
 _REQUEST_RETENTION = 24 * 3600.0
 
@@ -360,10 +360,14 @@ class EtcdBackend:
         return prune.prune(self.cluster, repo, lock, keep, dry_run=dry_run)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
+        from singleflight.etcd import guard as recipe_guard  # pearing-guard's, not pearing-run's
+
         return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
 
     @contextmanager
     def hold_guard(self, claim: Claim, seconds: float) -> Iterator[bool]:
+        from singleflight.etcd import guard as recipe_guard
+
         held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id or "", seconds)
         try:
             yield held is not None

@@ -11,7 +11,6 @@ import time
 from singleflight.core import proc
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
-from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
@@ -24,6 +23,8 @@ from singleflight.etcd.watch import DeleteWatch
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
+
+    from singleflight.core.line import Line
 
 
 class EtcdTickets:
@@ -195,6 +196,8 @@ class EtcdTickets:
         t.fence = kv["create_revision"] if i < holders else None
 
     def line(self) -> Line:
+        from singleflight.core.line import Line  # status's and a waiter's, not a free lock's
+
         q, _ = self.mutex.queue()
         held = slots.holders(self.mutex, q)
         entries: list[Ticket | dict[str, Any]] = []

@@ -19,7 +19,6 @@ from singleflight.core.const import (
 )
 from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
 from singleflight.core.fs import same_file
-from singleflight.core.line import Line
 from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason
 from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 
     from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
+    from singleflight.core.line import Line
 
 
 class LocalLock:
@@ -246,6 +246,8 @@ class LocalLock:
         )
 
     def line(self) -> Line:
+        from singleflight.core.line import Line  # status's and a waiter's, not a free lock's
+
         store, now = self.store, time.monotonic()
         holders = []
         waiters = []
