@@ -12,6 +12,7 @@ import hmac
 import json
 import math
 import string
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,6 +108,36 @@ def test_jsontext_refuses_what_json_refuses_in_its_words() -> None:
     for bad in (None, 1, "\ufeff{}", "", "[1,]", '{"a": 1} x', b'{"a": "\xff"}', b'["\xed\xa0\x80"]', b"[\x00]"):
         assert _outcome(jsontext.loads, bad) == _outcome(json.loads, bad)
     assert math.isnan(jsontext.loads("NaN")) and jsontext.dumps(math.inf) == "Infinity"
+
+
+_CHILD_READS = """
+import sys
+from singleflight.core import jsontext
+assert "json" not in sys.modules, "json was loaded"
+for doc in sys.stdin.read().split("\\0"):
+    try:
+        print(repr(jsontext.loads(doc)))
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_jsontext_reads_bad_json_as_json_does_where_json_was_never_loaded() -> None:
+    """pearing-run, its holder and verify never load json: the C scanner then finds no
+    json.decoder to word its error with (it does not import it), and json's own error must still
+    come out, as it does in this test's process, where json is loaded."""
+    docs = ["{not json", "[1,", '"abc', '{"a" 1}', "", "1 2", '["\\u0001"]', '["\x01"]', "\ufeff{}", '{"a": [1, 2.5]}']
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD_READS], input="\0".join(docs), capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    want = []
+    for doc in docs:
+        try:
+            want.append(repr(json.loads(doc)))
+        except ValueError as exc:
+            want.append(f"{type(exc).__name__} {exc}")
+    assert r.stdout.splitlines() == want
 
 
 def test_neither_the_holder_nor_the_guard_loads_openssl(backend: str, procs: Procs, work: Path) -> None:

@@ -69,7 +69,10 @@ def loads(text: str | bytes) -> Any:
         start = len(s) - len(s.lstrip(_WS))
         try:
             obj, end = _scan(s, start)
-        except (StopIteration, ValueError):
+        # Bad JSON: the scanner words its error with json.decoder's JSONDecodeError, which it
+        # looks up in sys.modules without importing it (CPython 3.11), so where json is not
+        # loaded it fails with SystemError instead; json, below, says what is wrong.
+        except (StopIteration, ValueError, SystemError):
             pass
         else:
             if not s[end:].strip(_WS):
