@@ -28,7 +28,6 @@ from contextlib import AbstractContextManager
 from singleflight.core import schemes
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BadValue
-from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 
     from singleflight.core.idle import Idle
     from singleflight.core.line import Line
+    from singleflight.core.protocol import Taken
     from singleflight.core.reasons import Loss
     from singleflight.core.request import Key
     from singleflight.core.ticket import Ticket

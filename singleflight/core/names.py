@@ -14,8 +14,6 @@ Plain string checks instead of ``re``: this runs on every ``pearing-run`` and
 
 from __future__ import annotations
 
-import math
-
 from singleflight.core.const import (
     MAX_ACTIVITY,
     MAX_FENCE,
@@ -157,7 +155,7 @@ def _decimal(value: object) -> float | None:
     try:
         return float(value)
     except OverflowError:  # an int beyond any float
-        return math.inf
+        return float("inf")
 
 
 def seconds(value: str | float, what: str, *, minimum: float = 0.0, allow_zero: bool = True) -> float:
@@ -174,7 +172,7 @@ def seconds(value: str | float, what: str, *, minimum: float = 0.0, allow_zero: 
         if isinstance(value, str) and value[:1] in ("+", "-") and _decimal(value[1:]) is not None:
             raise BadValue(what, value, "must be written without a sign (a negative duration is refused)")
         raise BadValue(what, value, "must be a number of seconds in ASCII digits, like 5 or 0.5")
-    if math.isnan(number) or number < 0:
+    if not number >= 0:  # negative, or NaN (math.isnan would load math, a shared library)
         raise BadValue(what, value, "must be a finite number of seconds, not negative")
     if number == 0 and not allow_zero:
         raise BadValue(what, value, "must be more than 0 seconds")

@@ -19,7 +19,6 @@ from singleflight.core.const import (
     REQUEST_ACTIVE,
     TYPE_CHECKING,
 )
-from singleflight.core.protocol import Taken
 from singleflight.core.request import (
     ACTIVITY_PREFIX,
     ANY_VERSION,
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from singleflight.core.idle import Idle
+    from singleflight.core.protocol import Taken
 
 _REQUEST_RETENTION = 24 * 3600.0
 
@@ -202,6 +202,9 @@ class EtcdLock(EtcdTickets):
         token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
         env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url, ENV_SLOT: str(t.slot)}
+        # (The pipe protocol's, loaded by every process that takes a lock: not by pearing-guard.)
+        from singleflight.core.protocol import Taken
+
         return driver, Taken(fence, grip.token, token_file, env)
 
     # -- the ticket ------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from singleflight.core.const import (
 )
 from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
 from singleflight.core.fs import same_file
-from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason
 from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
 from singleflight.core.ticket import Ticket
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
     from singleflight.core.line import Line
+    from singleflight.core.protocol import Taken
 
 
 class LocalLock:
@@ -147,6 +147,9 @@ class LocalLock:
         token = lease.take_ownership(self.store, ticket, promoted=promoted, slot=grip.slot)
         assert ticket.fence is not None
         env = {ENV_SLOT: str(grip.slot)}
+        # (The pipe protocol's, loaded by every process that takes a lock: not by pearing-guard.)
+        from singleflight.core.protocol import Taken
+
         taken = Taken(ticket.fence, token, self.store.tokens.path(ticket.ticket_id), env)
         return LocalLease(self.store, grip, ticket), taken
 
