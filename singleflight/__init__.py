@@ -9,7 +9,7 @@ first used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from singleflight.core.const import TYPE_CHECKING
 
 __version__ = "0.2.0"
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
 _ERRORS = ("BadValue", "NotHeld", "PearingError", "StaleFence", "UsageError")
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.api import AsyncLock, Busy, LeaseLost, Lock, Thread
     from singleflight.core.errors import BadValue, NotHeld, PearingError, StaleFence, UsageError
 

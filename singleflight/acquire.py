@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from singleflight.core import fault
-from singleflight.core.const import CANCELLED
+from singleflight.core.const import CANCELLED, TYPE_CHECKING
 from singleflight.core.errors import LineFull, PearingError
 from singleflight.core.reasons import EndReason
 from singleflight.rules import events
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from singleflight.backend import Grip, LockOps
     from singleflight.core.ticket import Ticket
 
@@ -55,7 +55,6 @@ def acquire(
         return min(until, ticket_deadline())
 
     # Import what holding needs now, while we wait, not after the hand-over.
-    import json  # noqa: F401
     import select  # noqa: F401
 
     from singleflight import holder as _holder  # noqa: F401

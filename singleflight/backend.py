@@ -23,21 +23,25 @@ first, and no fork lies between the previous holder's release and COMMAND's star
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
 
 from singleflight.core import schemes
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BadValue
-from singleflight.core.protocol import Taken
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Protocol
+
     from singleflight.core.idle import Idle
     from singleflight.core.line import Line
+    from singleflight.core.protocol import Taken
     from singleflight.core.reasons import Loss
     from singleflight.core.request import Key
     from singleflight.core.ticket import Ticket
     from singleflight.core.tokens import Claim, Facts
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class Grip(Protocol):

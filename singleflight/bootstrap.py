@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Any
 
 from singleflight.backend import open_backend
 from singleflight.core import fault, protocol
-from singleflight.core.const import ExitCode
+from singleflight.core.const import TYPE_CHECKING, ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
@@ -21,6 +20,8 @@ from singleflight.core.tokens import token_hash
 from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.backend import Grip
     from singleflight.core.ticket import Ticket
     from singleflight.runopts import RunOptions

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from singleflight.core import fault, proc, protocol
 from singleflight.core.const import (
@@ -21,12 +19,15 @@ from singleflight.core.const import (
     ENV_TICKET,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
+    TYPE_CHECKING,
     ExitCode,
 )
 from singleflight.core.group import killpg
 from singleflight.core.tty import JOB_CONTROL_POLL, Terminal
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from singleflight.backend import Grip
     from singleflight.core.log import Log
     from singleflight.core.protocol import Channel, Taken

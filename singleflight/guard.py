@@ -17,16 +17,18 @@ The Python API of ``pearing-guard``::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from singleflight.backend import open_backend
 from singleflight.core import names
-from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR
+from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_LOCK_DIR, TYPE_CHECKING
 from singleflight.core.errors import BadValue, LockDirError, NotHeld
 from singleflight.core.fs import Dir, resolve_lock_dir
 from singleflight.core.tokens import Verdict, read_claim
-from singleflight.rules import records, verdict
+from singleflight.rules import verdict
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
 
 __all__ = ["Verdict", "accept_fence", "guarded", "verify"]
 
@@ -78,6 +80,8 @@ def accept_fence(
     if not resource or len(resource) > 512 or any(ord(c) < 32 or ord(c) == 127 for c in resource):
         raise BadValue("resource", resource, "must be 1 to 512 printable characters")
     fence = names.fence(fence)
+    from singleflight.rules import records  # fence's, not verify's
+
     if ledger:
         from singleflight.core.ledger import FileLedger
 

@@ -15,10 +15,9 @@ import os
 import select
 import signal
 import time
-from typing import TYPE_CHECKING, NoReturn
 
 from singleflight.core import fault, group, protocol
-from singleflight.core.const import EXPIRED, RELEASED
+from singleflight.core.const import EXPIRED, RELEASED, TYPE_CHECKING
 from singleflight.core.errors import NotHeld, PearingError
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason, Loss
@@ -28,6 +27,8 @@ from singleflight.rules import events
 from singleflight.rules.requests import prepare_end, record_end
 
 if TYPE_CHECKING:
+    from typing import NoReturn
+
     from singleflight.backend import Backend, Lease, LockOps
 
 # Signals that end the lease early, as a lost lease (the run must stop).

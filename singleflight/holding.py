@@ -7,10 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
 
 from singleflight.core import fault, protocol
-from singleflight.core.const import CANCELLED, EXPIRED, RELEASED, ExitCode
+from singleflight.core.const import CANCELLED, EXPIRED, RELEASED, TYPE_CHECKING, ExitCode
 from singleflight.core.errors import PearingError
 from singleflight.core.log import Seconds
 from singleflight.core.reasons import EndReason, Loss

@@ -13,9 +13,12 @@ run's end: the end carries its ``started``, so it leaves ``running`` to the late
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+
+from singleflight.core.const import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.core.log import Log
     from singleflight.core.metrics import Event
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
 
 from singleflight.acquire import acquire
 from singleflight.backend import open_backend
@@ -25,6 +24,7 @@ from singleflight.core.const import (
     CANCELLED,
     CLAIM_BUSY,
     CLAIM_DONE,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.errors import LineFull, PearingError
@@ -32,7 +32,7 @@ from singleflight.core.log import Log, Seconds
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import new_uuid4
 from singleflight.core.ticket import Ticket
-from singleflight.rules import requests, tickets
+from singleflight.rules import requests
 from singleflight.runmetrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -150,13 +150,18 @@ class Runner:
                 # What holding the lock needs, loaded while we wait rather than after the hand-over.
                 from singleflight import command, holding  # noqa: F401
 
+        def ticket_deadline() -> float:
+            # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
+            from singleflight.rules import tickets  # a waiter's alone: a free lock is taken at once
+
+            return tickets.waiting_deadline(lk, tid)
+
         try:
             grip = acquire(
                 lk,
                 self.ticket,
                 until=started + o.wait_seconds,
-                # release-lock-ticket on our waiting ticket (or a newer `latest` run) cancels it: 0.
-                ticket_deadline=lambda: tickets.waiting_deadline(lk, tid),
+                ticket_deadline=ticket_deadline,
                 on_queued=on_queued,
                 timeout_reason=EndReason.WAIT_TIMED_OUT,
             )

@@ -5,8 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+
+from singleflight.core.const import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import NoReturn
 
 
 def script(main: Callable[[], int]) -> NoReturn:

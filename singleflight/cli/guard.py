@@ -16,21 +16,30 @@ file names its own backend: the one that issued it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
 import sys
-from typing import NoReturn
 
 from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Command, Option, parse, render, rows, usage
 from singleflight.cli._script import script
-from singleflight.core import fault, names, schemes
-from singleflight.core.const import DEFAULT_GUARD_MAX_SECONDS, ENV_BACKEND, ENV_FENCE, ENV_LOCK, ENV_REPO, ExitCode
+from singleflight.core import fault, jsontext, names, schemes
+from singleflight.core.const import (
+    DEFAULT_GUARD_MAX_SECONDS,
+    ENV_BACKEND,
+    ENV_FENCE,
+    ENV_LOCK,
+    ENV_REPO,
+    TYPE_CHECKING,
+    ExitCode,
+)
 from singleflight.core.errors import BadValue, PearingError, ToolFailed, UsageError
 from singleflight.core.log import Log
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 PROG = "pearing-guard"
 SYNOPSIS = "verify|exec|fence|git-push [options] [-- CMD...] [REMOTE REFSPEC...]"
@@ -132,7 +141,7 @@ def cmd_verify(argv: list[str], log: Log) -> int:
     token_file = values.get("token_file")
     verdict = guard.verify(str(token_file) if token_file else None, env=_env(values))
     if values.get("json"):
-        sys.stdout.write(json.dumps(verdict.as_dict()) + "\n")
+        sys.stdout.write(jsontext.dumps(verdict.as_dict()) + "\n")
     if verdict.ok:
         return 0
     log.refused(verdict.reason)
@@ -240,7 +249,7 @@ def cmd_fence(argv: list[str], log: Log) -> int:
     ledger_path = str(ledger) if ledger else None
     accepted = guard.accept_fence(str(resource), names.fence(str(fence)), ledger_path, backend=backend)
     if values.get("json"):
-        sys.stdout.write(json.dumps({"ok": True, "resource": resource, "fence": accepted}) + "\n")
+        sys.stdout.write(jsontext.dumps({"ok": True, "resource": resource, "fence": accepted}) + "\n")
     return 0
 
 

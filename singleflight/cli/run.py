@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from typing import NoReturn
 
 from singleflight import __version__
 from singleflight.backend import backend_url
@@ -23,6 +22,7 @@ from singleflight.core.const import (
     HEARTBEAT_MODES,
     QUEUE_FIFO,
     QUEUE_MODES,
+    TYPE_CHECKING,
     ExitCode,
 )
 from singleflight.core.errors import BadValue, PearingError, UsageError
@@ -31,6 +31,9 @@ from singleflight.core.log import FORMATS, Log
 from singleflight.core.proc import ensure_std_fds
 from singleflight.runner import run
 from singleflight.runopts import RunOptions
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 PROG = "pearing-run"
 SYNOPSIS = "--job NAME [options] -- COMMAND [ARG...]"

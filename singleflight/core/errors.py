@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Final
+from singleflight.core.const import TYPE_CHECKING, ExitCode
 
-from singleflight.core.const import ExitCode
+if TYPE_CHECKING:
+    from typing import Final
 
 # An error line echoes at most this much of a bad value: it must stay one readable line.
 _SHOWN_CHARS: Final = 64

@@ -11,11 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
-from typing import Final
 
-from singleflight.core.const import ENV_LOCK_DIR, MAX_FENCE, ROOT_LOCK_DIR
+from singleflight.core.const import ENV_LOCK_DIR, MAX_FENCE, ROOT_LOCK_DIR, TYPE_CHECKING
 from singleflight.core.errors import BadValue, CorruptRecord, LockDirError, NotPermitted, Vanished
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Final
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC

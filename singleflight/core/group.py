@@ -10,9 +10,12 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable
 
 from singleflight.core import proc
+from singleflight.core.const import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # select() takes at most this many seconds on every platform Python supports.
 _MAX_SELECT_S = 86400.0 * 365

@@ -11,11 +11,13 @@ hostname that breaks the rule.
 from __future__ import annotations
 
 import os
-from typing import Final
 
 from singleflight.core import names
-from singleflight.core.const import ENV_IDENTITY
+from singleflight.core.const import ENV_IDENTITY, TYPE_CHECKING
 from singleflight.core.errors import BadValue
+
+if TYPE_CHECKING:
+    from typing import Final
 
 FALLBACK_HOST: Final = "localhost"
 

@@ -40,9 +40,11 @@ hashlib where that module is missing; tests prove the result equals ``uuid.uuid5
 
 from __future__ import annotations
 
-from typing import Final
-
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BadValue, shown
+
+if TYPE_CHECKING:
+    from typing import Final
 
 REQUEST_KEY_NAMESPACE_URL: Final = "https://pearing.dev/singleflight/request-key"
 REQUEST_KEY_NAMESPACE: Final = "0bc18d53-9e2d-560b-a732-131556d00dc1"

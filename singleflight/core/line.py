@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from singleflight.core.const import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.core.ticket import Ticket
 
 

@@ -14,13 +14,20 @@ Plain string checks instead of ``re``: this runs on every ``pearing-run`` and
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Final, Literal, overload
-
-from singleflight.core import keys
-from singleflight.core.const import MAX_ACTIVITY, MAX_FENCE, MAX_SECONDS, MAX_SLOTS, MAX_WAITING, MIN_LEASE_SECONDS
+from singleflight.core.const import (
+    MAX_ACTIVITY,
+    MAX_FENCE,
+    MAX_SECONDS,
+    MAX_SLOTS,
+    MAX_WAITING,
+    MIN_LEASE_SECONDS,
+    TYPE_CHECKING,
+)
 from singleflight.core.errors import BadValue, UsageError, shown
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Final, Literal, overload
 
 _ALNUM: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _NAME_CHARS: Final = _ALNUM | frozenset("._-")
@@ -66,14 +73,18 @@ def request_uuid(value: str, what: str = "request uuid") -> str:
     return low
 
 
-@overload
-def request(
-    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: Literal[True]
-) -> str: ...
-@overload
-def request(
-    uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: bool = ...
-) -> str | None: ...
+if TYPE_CHECKING:  # the overloads are the checker's: typing stays off the start-up path
+
+    @overload
+    def request(
+        uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: Literal[True]
+    ) -> str: ...
+    @overload
+    def request(
+        uuid: str | None, key: str | None, *, uuid_what: str = ..., key_what: str = ..., required: bool = ...
+    ) -> str | None: ...
+
+
 def request(
     uuid: str | None,
     key: str | None,
@@ -89,6 +100,8 @@ def request(
     if uuid is not None and key is not None:
         raise UsageError(f"give {uuid_what} or {key_what}, not both")
     if key is not None:
+        from singleflight.core import keys  # --request-key's alone
+
         return keys.request_key_uuid(key, key_what)
     if uuid is not None:
         return request_uuid(uuid, uuid_what)
@@ -142,7 +155,7 @@ def _decimal(value: object) -> float | None:
     try:
         return float(value)
     except OverflowError:  # an int beyond any float
-        return math.inf
+        return float("inf")
 
 
 def seconds(value: str | float, what: str, *, minimum: float = 0.0, allow_zero: bool = True) -> float:
@@ -159,7 +172,7 @@ def seconds(value: str | float, what: str, *, minimum: float = 0.0, allow_zero: 
         if isinstance(value, str) and value[:1] in ("+", "-") and _decimal(value[1:]) is not None:
             raise BadValue(what, value, "must be written without a sign (a negative duration is refused)")
         raise BadValue(what, value, "must be a number of seconds in ASCII digits, like 5 or 0.5")
-    if math.isnan(number) or number < 0:
+    if not number >= 0:  # negative, or NaN (math.isnan would load math, a shared library)
         raise BadValue(what, value, "must be a finite number of seconds, not negative")
     if number == 0 and not allow_zero:
         raise BadValue(what, value, "must be more than 0 seconds")

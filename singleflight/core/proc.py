@@ -8,10 +8,12 @@ guarded write, which is why psutil is not imported on Linux.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Final
+
+from singleflight.core.const import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Final
 
 _PROC_STAT: Final = "/proc/{}/stat"
 

@@ -26,14 +26,16 @@ fd. Through ``_socket``, not ``socket``: the module costs milliseconds to import
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Collection
-from typing import Any
 
-from singleflight.core.const import ExitCode
+from singleflight.core import jsontext
+from singleflight.core.const import TYPE_CHECKING, ExitCode
 from singleflight.core.reasons import EndReason, Loss
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+    from typing import Any
 
 QUEUED = "queued"
 READY = "ready"
@@ -71,7 +73,7 @@ class Message:
     def encode(self) -> str:
         k = self.kind
         if k in (READY, GO, START):
-            return f"{k} {json.dumps(self.info)}"
+            return f"{k} {jsontext.dumps(self.info)}"
         if k == LOST:
             assert self.loss is not None
             return f"{LOST} {self.loss.reason.name} {self.loss.text}"
@@ -186,7 +188,7 @@ def decode(line: str) -> Message:
     word, _, rest = line.partition(" ")
     try:
         if word in (READY, GO, START):
-            info = json.loads(rest)
+            info = jsontext.loads(rest)
             if not isinstance(info, dict):
                 raise ValueError(rest)
             return Message(word, info=info)

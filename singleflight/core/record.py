@@ -6,16 +6,16 @@ with the two values every record carries: times as users read them and fresh uui
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
-from collections.abc import Callable
-from typing import Any, Final
 
-from singleflight.core import names
-from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING
+from singleflight.core import jsontext, names
+from singleflight.core.const import MAX_FENCE, MAX_SLOTS, MAX_WAITING, TYPE_CHECKING
 from singleflight.core.errors import BadValue
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
 
 
 def rfc3339(epoch: float | None) -> str | None:
@@ -102,7 +102,7 @@ def checked(
             if not strings.get(name, _text)(value):
                 raise ValueError(f"{name} is not a valid value: {value[:40]!r}")
         elif isinstance(value, float):
-            if not math.isfinite(value) or abs(value) > 1e15:
+            if not _finite(value) or abs(value) > 1e15:
                 raise ValueError(f"{name} is not a finite number of seconds: {value!r}")
         elif isinstance(value, int) and not isinstance(value, bool):
             low, high = _INT_RANGES.get(name, (-(10**15), 10**15))
@@ -115,7 +115,7 @@ def checked(
 def loads(data: bytes) -> Any:
     """JSON of a record; ValueError for anything that is not (deep nesting included)."""
     try:
-        return json.loads(data)
+        return jsontext.loads(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -125,6 +125,16 @@ def epoch(value: object, what: str = "time") -> float:
     (no bool, no NaN, no 1e300, which a clock or ``rfc3339`` would overflow on); TypeError else."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} is not a number")
-    if not math.isfinite(value) or abs(value) > 1e15:
+    if not _finite(value) or abs(value) > 1e15:
         raise TypeError(f"{what} is not a finite number of seconds: {value!r}")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` without loading math (a shared library) on every start: an int too large
+    for a float raises the same OverflowError, NaN and the infinities are not finite."""
+    x = float(value)
+    return -_INF < x < _INF
+
+
+_INF = float("inf")

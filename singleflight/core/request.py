@@ -5,15 +5,16 @@ A plain ``__slots__`` class, not a dataclass, for the start-up reason given in `
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
 
-from singleflight.core.const import REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED
+from singleflight.core import jsontext
+from singleflight.core.const import REQUEST_ACTIVE, REQUEST_FAILED, REQUEST_SUCCEEDED, TYPE_CHECKING
 from singleflight.core.record import checked, is_uuid, loads
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
+
     from singleflight.core.ticket import Ticket
 
 # A lock's records, as a backend names them (``Backend.read_record``): the last successful
@@ -159,7 +160,7 @@ class RequestRecord:
         return out
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict()).encode()
+        return jsontext.dumps(self.to_dict()).encode()
 
     @classmethod
     def from_dict(cls, obj: Any, depth: int = 0) -> RequestRecord:

@@ -8,7 +8,10 @@ Modules are named, not imported: a pearing-run on the lock dir never loads etcd'
 
 from __future__ import annotations
 
-from typing import Any, Final
+from singleflight.core.const import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 
 class Scheme:
@@ -22,18 +25,16 @@ class Scheme:
 
     def backend_class(self) -> Any:
         """The class implementing this backend (``module:Class``)."""
-        import importlib
-
         module, _, cls = self.module.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        # __import__ with a fromlist returns the submodule itself; importlib would load warnings
+        # on every start for the same lookup.
+        return getattr(__import__(module, fromlist=[cls]), cls)
 
     def validate(self, url: str) -> None:
         """Check ``url`` as this backend reads it (BadValue), opening nothing."""
         if self.check is not None:
-            import importlib
-
             module, _, fn = self.check.partition(":")
-            getattr(importlib.import_module(module), fn)(url)
+            getattr(__import__(module, fromlist=[fn]), fn)(url)
 
 
 # name          URL                 implementation                                checked by, what it can do

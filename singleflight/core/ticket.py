@@ -6,12 +6,9 @@ Plain ``__slots__`` classes (this one and ``request.RequestRecord``) rather than
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
-from typing import Any, Final
 
-from singleflight.core import names
+from singleflight.core import jsontext, names
 from singleflight.core.const import (
     CANCELLED,
     EXPIRED,
@@ -19,10 +16,15 @@ from singleflight.core.const import (
     QUEUE_FIFO,
     QUEUE_MODES,
     RELEASED,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import HEX, checked, is_uuid, loads, rfc3339, valid
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
 # or mean nothing to users (monotonic stamps, the holder's start time).
@@ -194,7 +196,7 @@ class Ticket:
         return {name: getattr(self, name) for name in FIELDS}
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict()).encode()
+        return jsontext.dumps(self.to_dict()).encode()
 
     @classmethod
     def from_dict(cls, obj: Any) -> Ticket:

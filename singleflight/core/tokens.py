@@ -7,13 +7,10 @@ holder's 0600 token file; and what a guard reads back from that file or the envi
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-from collections.abc import Callable, Mapping
-from typing import Any
 
-from singleflight.core import names, schemes
+from singleflight.core import jsontext, names, schemes
 from singleflight.core.const import (
     DEFAULT_SCOPE,
     ENV_BACKEND,
@@ -23,11 +20,16 @@ from singleflight.core.const import (
     ENV_TICKET,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
+    TYPE_CHECKING,
 )
 from singleflight.core.errors import BadValue, LockDirError, UsageError, Vanished
 from singleflight.core.fs import Dir, lock_parts, resolve_lock_dir
 from singleflight.core.record import loads, rfc3339
 from singleflight.core.ticket import Ticket
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any
 
 # A token file is a few hundred bytes; anything larger is not ours.
 _MAX_TOKEN_FILE = 65536
@@ -139,7 +141,7 @@ class TokenFiles:
             d = self._tokens()
             assert d is not None
             try:
-                d.write_atomic(f"{ticket.ticket_id}.token", json.dumps(body).encode(), durable=False)
+                d.write_atomic(f"{ticket.ticket_id}.token", jsontext.dumps(body).encode(), durable=False)
                 break
             except Vanished:
                 # Pruned as idle on this host (another backend's lock of the same name) between our

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections.abc import Callable
 
 from singleflight.core import proc
-from singleflight.core.const import ENV_TOKEN
+from singleflight.core.const import ENV_TOKEN, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # A wrapper killed mid-spawn: how long the holder looks for the process it may have started.
 SPAWNED_FOUND_WITHIN = 1.0

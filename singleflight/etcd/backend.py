@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from singleflight.core import names, proc
 from singleflight.core.const import (
@@ -19,9 +17,8 @@ from singleflight.core.const import (
     ENV_SLOT,
     HELD,
     REQUEST_ACTIVE,
+    TYPE_CHECKING,
 )
-from singleflight.core.idle import Idle
-from singleflight.core.protocol import Taken
 from singleflight.core.request import (
     ACTIVITY_PREFIX,
     ANY_VERSION,
@@ -34,7 +31,6 @@ from singleflight.core.request import (
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
 from singleflight.etcd import events, history, records, slots
-from singleflight.etcd import guard as recipe_guard
 from singleflight.etcd.client import (
     Cluster,
     cmp,
@@ -52,6 +48,13 @@ from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import parse, parse_ticket, stamp_lease
 from singleflight.etcd.tickets import EtcdTickets
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
+    from singleflight.core.idle import Idle
+    from singleflight.core.protocol import Taken
 
 _REQUEST_RETENTION = 24 * 3600.0
 
@@ -199,6 +202,9 @@ class EtcdLock(EtcdTickets):
         token_file = self.tokens.write(t, grip.token, backend=self.backend.url, lease=str(grip.lease), key=key)
         # PEARING_BACKEND too: COMMAND's pearing-cli heartbeats and guards must reach the cluster.
         env = {"ETCD_LOCK_KEY": key, "ETCD_LOCK_REV": str(fence), ENV_BACKEND: self.backend.url, ENV_SLOT: str(t.slot)}
+        # (The pipe protocol's, loaded by every process that takes a lock: not by pearing-guard.)
+        from singleflight.core.protocol import Taken
+
         return driver, Taken(fence, grip.token, token_file, env)
 
     # -- the ticket ------------------------------------------------------------------------
@@ -357,10 +363,14 @@ class EtcdBackend:
         return prune.prune(self.cluster, repo, lock, keep, dry_run=dry_run)
 
     def guard_facts(self, claim: Claim, digest: str) -> Facts:
+        from singleflight.etcd import guard as recipe_guard  # pearing-guard's, not pearing-run's
+
         return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
 
     @contextmanager
     def hold_guard(self, claim: Claim, seconds: float) -> Iterator[bool]:
+        from singleflight.etcd import guard as recipe_guard
+
         held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id or "", seconds)
         try:
             yield held is not None

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
-from typing import Any
 
+from singleflight.core import jsontext
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, BadValue
 from singleflight.etcd.wire import Conn
 
-API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
+if TYPE_CHECKING:
+    from typing import Any
 
+API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
 
 DEFAULT_PREFIX = "pearing"
 _URL_RULE = "must be etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"
@@ -101,7 +103,7 @@ _MEMBER_STATES = frozenset(
 
 def _refusal(detail: str | None) -> Refused | None:
     try:
-        body = json.loads(detail or "")
+        body = jsontext.loads(detail or "")
         code = int(body.get("code", -1))
     except (ValueError, TypeError, AttributeError, RecursionError):
         return None
@@ -166,7 +168,7 @@ def decode(path: str, request: dict[str, Any], data: bytes) -> dict[str, Any]:
     a header with the revision, a key in every kv, and for a txn one response per op of the
     branch it took, each of that op's kind."""
     try:
-        obj = json.loads(data)
+        obj = jsontext.loads(data)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
         raise NotEtcd(f"not JSON: {exc}") from None
     r = _check(obj, "answer")
@@ -226,7 +228,7 @@ class Cluster:
         ``rules.requests.claim``); a grant sent twice leaves a lease nobody uses, which
         lapses at its TTL; a revoke or delete of what is gone already does nothing.
         """
-        payload = json.dumps(body).encode()
+        payload = jsontext.dumps(body).encode()
         errors = []
         for i in range(len(self.endpoints)):
             k = (self.current + i) % len(self.endpoints)

@@ -11,16 +11,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
 
-from singleflight.core.const import RELEASED
+from singleflight.core.const import RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import parse
 from singleflight.etcd.watch import DeleteWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Protocol
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 # How often ``end`` tries its txn (a heartbeat or a new guarded command may come in between),
 # and how often of these it waits for guarded commands of its ticket before the token dies

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, QUEUE_LATEST
+from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, QUEUE_LATEST, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
@@ -33,6 +31,9 @@ from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import margin_of, owner_of, parse, ticket_id_of, value
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from singleflight.etcd.lease import EtcdLease
 
 # How often the holder's end for a request looks again after the key changed under it.

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.client import Cluster, Refused, b64, unb64
 from singleflight.etcd.lock import WAIT_TTL
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # The longest wait between two keepalives of the wrapper's, whatever the lease.
 _KEEP_AT_MOST_EVERY = 3600.0

@@ -4,12 +4,14 @@ written as ``EtcdBackend.read_record`` / ``write_record``."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.request import RequestRecord
 from singleflight.etcd.client import cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def read_request_kv(mutex: Mutex, uuid: str) -> tuple[RequestRecord | None, dict[str, Any] | None]:

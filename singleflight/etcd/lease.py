@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import select
 import time
-from collections.abc import Callable
-from typing import Any
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED
+from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket
@@ -27,6 +25,10 @@ from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.records import deadline_mono, parse, stamp_lease, value
 from singleflight.etcd.tickets import ticket_of
 from singleflight.etcd.watch import KeyWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 # A holder that could not reach the cluster asks again this often, until its cut-off.
 _RETRY = 0.25

@@ -44,13 +44,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import Any
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged, revision
 from singleflight.etcd.records import parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch, KeyWatch, wait_any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 # A waiter's key lives this long after its waiter stops renewing it (killed, frozen).
 WAIT_TTL = 3

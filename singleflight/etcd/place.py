@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, QUEUE_LATEST
+from singleflight.core.const import ENDED_TICKET_RETENTION, QUEUE_LATEST, TYPE_CHECKING
 from singleflight.core.errors import LineFull
 from singleflight.core.ticket import Ticket
 from singleflight.etcd import events
 from singleflight.etcd.client import Cluster
 from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lock import FIRST, WAIT_TTL, Mutex, ttl_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Protocol
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class _Lock(Protocol):

@@ -6,16 +6,17 @@ empty value) parses as None, never as an error: another client's key cannot cras
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any
 
-from singleflight.core import proc
-from singleflight.core.const import HELD, WAITING
+from singleflight.core import jsontext, proc
+from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import CorruptRecord
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def value(
@@ -55,14 +56,14 @@ def value(
         owner_pid=owner[0],
         owner_start=owner[1],
     )
-    return json.dumps(obj).encode()
+    return jsontext.dumps(obj).encode()
 
 
 def parse(raw: bytes) -> Ticket | None:
     """The ticket in a key's value; None for a key pearing did not write (``etcdctl lock``'s
     keys have an empty value): never an error, so another client's key cannot crash us."""
     try:
-        return Ticket.from_dict(json.loads(raw))
+        return Ticket.from_dict(jsontext.loads(raw))
     except (ValueError, TypeError, UnicodeDecodeError):
         return None
 
@@ -82,7 +83,7 @@ def parse_ticket(raw: bytes) -> Ticket:
 
 def owner_of(raw: bytes) -> tuple[int | None, int | None]:
     try:
-        obj = json.loads(raw)
+        obj = jsontext.loads(raw)
         pid, start = obj.get("owner_pid"), obj.get("owner_start")
     except (ValueError, AttributeError):
         return None, None
@@ -92,7 +93,7 @@ def owner_of(raw: bytes) -> tuple[int | None, int | None]:
 
 def margin_of(raw: bytes) -> float:
     try:
-        m = json.loads(raw).get("margin")
+        m = jsontext.loads(raw).get("margin")
     except (ValueError, AttributeError):
         return 0.0
     return float(m) if isinstance(m, (int, float)) and not isinstance(m, bool) else 0.0

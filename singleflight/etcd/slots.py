@@ -13,13 +13,16 @@ lease not yet lapsed: the holder is gone all the same).
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, SlotsMismatch
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import parse
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # Rounds of compare-and-swap lost to other holders before giving up (each loser reads again).
 _TRIES = 20

@@ -7,13 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
-from typing import Any
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, WAITING
+from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
-from singleflight.core.line import Line
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
@@ -22,6 +19,12 @@ from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, r
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
 from singleflight.etcd.watch import DeleteWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from singleflight.core.line import Line
 
 
 class EtcdTickets:
@@ -193,6 +196,8 @@ class EtcdTickets:
         t.fence = kv["create_revision"] if i < holders else None
 
     def line(self) -> Line:
+        from singleflight.core.line import Line  # status's and a waiter's, not a free lock's
+
         q, _ = self.mutex.queue()
         held = slots.holders(self.mutex, q)
         entries: list[Ticket | dict[str, Any]] = []

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import select
 import time
-from typing import Any, Protocol
 
+from singleflight.core import jsontext
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.wire import Stream
+
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class Members(Protocol):
@@ -49,7 +54,7 @@ def _messages(stream: Stream) -> list[dict[str, Any]]:
     out = []
     for line in lines:
         try:
-            msg = json.loads(line)
+            msg = jsontext.loads(line)
         except ValueError:
             raise StreamBroken(f"not a watch message: {line[:80]!r}") from None
         if "error" in msg or not isinstance(msg.get("result"), dict):
@@ -109,7 +114,9 @@ class KeyWatch:
             k = (first + i) % n
             host, port = cluster.endpoints[k]
             try:
-                self.stream = Stream(host, port, cluster.api_path + "watch", json.dumps(body).encode(), cluster.timeout)
+                self.stream = Stream(
+                    host, port, cluster.api_path + "watch", jsontext.dumps(body).encode(), cluster.timeout
+                )
             except OSError as exc:
                 errors.append(f"{host}:{port}: {exc.strerror or exc}")
                 continue

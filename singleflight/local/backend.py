@@ -6,9 +6,7 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
@@ -16,12 +14,11 @@ from singleflight.core.const import (
     EXPIRED,
     HELD,
     REQUEST_ACTIVE,
+    TYPE_CHECKING,
     WAITING,
 )
 from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
 from singleflight.core.fs import same_file
-from singleflight.core.line import Line
-from singleflight.core.protocol import Taken
 from singleflight.core.reasons import EndReason
 from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
 from singleflight.core.ticket import Ticket
@@ -32,8 +29,13 @@ from singleflight.local.records import ActivityRecords, LockRecords
 from singleflight.local.store import LockDir, LockStore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
     from singleflight.core.idle import Idle
     from singleflight.core.ledger import FileLedger
+    from singleflight.core.line import Line
+    from singleflight.core.protocol import Taken
 
 
 class LocalLock:
@@ -145,6 +147,9 @@ class LocalLock:
         token = lease.take_ownership(self.store, ticket, promoted=promoted, slot=grip.slot)
         assert ticket.fence is not None
         env = {ENV_SLOT: str(grip.slot)}
+        # (The pipe protocol's, loaded by every process that takes a lock: not by pearing-guard.)
+        from singleflight.core.protocol import Taken
+
         taken = Taken(ticket.fence, token, self.store.tokens.path(ticket.ticket_id), env)
         return LocalLease(self.store, grip, ticket), taken
 
@@ -244,6 +249,8 @@ class LocalLock:
         )
 
     def line(self) -> Line:
+        from singleflight.core.line import Line  # status's and a waiter's, not a free lock's
+
         store, now = self.store, time.monotonic()
         holders = []
         waiters = []

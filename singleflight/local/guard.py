@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight.core import proc
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import LockDirError, Vanished
 from singleflight.core.tokens import Claim, Facts, same_secret
 from singleflight.local.store import LockDir, LockStore
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 def facts(claim: Claim, digest: str) -> Facts:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight.core import fault, proc
-from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, WAITING
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
@@ -19,6 +18,9 @@ from singleflight.core.tokens import mint_token, token_hash
 from singleflight.local import slots
 from singleflight.local.queue import WAITER_POKE
 from singleflight.local.store import LockStore, flocked
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @contextmanager

@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
 
 from singleflight.core import fault
-from singleflight.core.const import HELD, QUEUE_LATEST, RELEASED, WAITING
+from singleflight.core.const import HELD, QUEUE_LATEST, RELEASED, TYPE_CHECKING, WAITING
 from singleflight.core.errors import LineFull
 from singleflight.core.fs import same_file
 from singleflight.core.reasons import EndReason, Loss
@@ -20,6 +18,9 @@ from singleflight.local import lease, queue, slots
 from singleflight.local.slots import SlotSet
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from singleflight.local.store import LockStore
 
 

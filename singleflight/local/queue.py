@@ -16,12 +16,17 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
 
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.fs import Dir
 from singleflight.local.store import LockStore
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Protocol
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 _SEQ_FILE = ".seq"
 

@@ -5,13 +5,16 @@ the fence ledger (``ledger.json``, ``core.ledger``). What they hold is the rules
 from __future__ import annotations
 
 import fcntl
-from typing import Any
 
 from singleflight.core import proc
+from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.fs import Dir
 from singleflight.core.request import ACTIVITY_PREFIX, ANY_VERSION, REQUEST_PREFIX, SUCCESS_RECORD, Key, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.local.store import LockStore
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class LockRecords:

@@ -21,14 +21,16 @@ import os
 import select
 import signal
 import time
-from typing import Final
 
 from singleflight.core import proc
-from singleflight.core.const import HELD, WAITING
+from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import SlotsMismatch
 from singleflight.core.ticket import Ticket
 from singleflight.local.queue import POKES, Interrupted, try_flock
 from singleflight.local.store import LockStore
+
+if TYPE_CHECKING:
+    from typing import Final
 
 _IN_CLOSE_WRITE: Final = 0x00000008
 _IN_NONBLOCK_CLOEXEC: Final = os.O_NONBLOCK | os.O_CLOEXEC

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 from singleflight.core import fault, names
-from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE
+from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE, TYPE_CHECKING
 from singleflight.core.errors import BadValue, CorruptRecord, Vanished
 from singleflight.core.fs import Dir, lock_parts, parse_int_record, same_file
 from singleflight.core.record import epoch, loads
 from singleflight.core.request import RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # The highest fence of the locks pruned as idle (local/prune.py): a lock without a fence file
 # continues above it, so a pruned lock that comes back never reissues a fence.

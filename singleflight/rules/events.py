@@ -19,13 +19,12 @@ holder's record as it stands, a compare-and-set of a ticket (``update``), a poke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from singleflight.core.const import DEFAULT_KILL_GRACE, RELEASED, WAITING
+from singleflight.core.const import DEFAULT_KILL_GRACE, RELEASED, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from singleflight.backend import Lease, LockOps
     from singleflight.core.ticket import Ticket
 

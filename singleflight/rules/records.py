@@ -5,17 +5,20 @@ is checked and when a fence is stale are decided here."""
 
 from __future__ import annotations
 
-import json
 import time
-from typing import TYPE_CHECKING, Any, Protocol
 
-from singleflight.core.const import MAX_FENCE
+from singleflight.core import jsontext
+from singleflight.core.const import MAX_FENCE, TYPE_CHECKING
 from singleflight.core.errors import CorruptRecord, StaleFence
 from singleflight.core.record import loads
 from singleflight.core.request import ANY_VERSION, Key, activity_record, fence_record
 
 if TYPE_CHECKING:
+    from typing import Any, Protocol
+
     from singleflight.backend import Backend
+else:
+    Protocol = object  # the checker's Protocols are plain classes at run time
 
 
 class _Ledger(Protocol):
@@ -42,7 +45,7 @@ def read_activity(backend: Backend, identity: str) -> str | None:
 
 def write_activity(backend: Backend, identity: str, text: str | None) -> None:
     """Set (text) or clear (None) what ``identity`` is doing; the last word wins."""
-    body = None if text is None else json.dumps({"activity": text, "at": time.time()}).encode()
+    body = None if text is None else jsontext.dumps({"activity": text, "at": time.time()}).encode()
     backend.write_record(activity_record(identity), body, ANY_VERSION)
 
 

@@ -10,16 +10,17 @@ stands and how long a record is kept are decided here.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from typing import TYPE_CHECKING, Any
 
-from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE
+from singleflight.core import jsontext
+from singleflight.core.const import CLAIM_BUSY, CLAIM_DONE, CLAIM_RUN, REQUEST_ACTIVE, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, CorruptRecord
 from singleflight.core.record import epoch, loads
 from singleflight.core.request import ANY_VERSION, SUCCESS_RECORD, Key, RequestRecord, lock_record, request_record
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.backend import Backend, LockOps
     from singleflight.core.ticket import Ticket
 
@@ -43,7 +44,7 @@ def record_end(
         backend.write_record(_key(lk, request_record(ticket.request_uuid)), rec.to_json(), ANY_VERSION, keep=keep)
     if success and status == 0:
         body = {"started_at": ticket.acquired_at or time.time(), "ticket_id": ticket.ticket_id, "fence": ticket.fence}
-        backend.write_record(_key(lk, SUCCESS_RECORD), json.dumps(body).encode(), ANY_VERSION)
+        backend.write_record(_key(lk, SUCCESS_RECORD), jsontext.dumps(body).encode(), ANY_VERSION)
 
 
 def prepare_end(backend: Backend, lk: LockOps, ticket: Ticket, window: float) -> None:

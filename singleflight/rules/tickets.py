@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, WAITING
+from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld, UnknownTicket
 from singleflight.core.reasons import EndReason
 from singleflight.core.tokens import TokenFiles
 from singleflight.rules import records
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from singleflight.backend import Backend, LockOps
     from singleflight.core.line import Line
     from singleflight.core.ticket import Ticket

@@ -6,17 +6,17 @@ the checks and every refusal's wording live here, so a refusal reads the same on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
-from singleflight.core.const import HELD, WAITING
+from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import BackendUnavailable, NotHeld
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, Verdict, same_secret, token_hash
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from singleflight.backend import Backend
 
 # Every refusal the guard gives, as users read it (tests compare them across backends).
