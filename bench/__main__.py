@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import memory, stages
+from bench import growth, memory, stages
 from bench.chain import FLOCK, etcd_member, wait_for
 from bench.chain import chain as _chain
 from bench.chain import env as _env
@@ -309,6 +309,7 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
+    lines += growth.table(r["growth"])
     lines += memory.table(r["memory"])
     st = r.get("stages")
     lines += ["", stages.table(st).rstrip()] if st else ["", "== stages: skipped (needs strace) =="]
@@ -331,6 +332,7 @@ def main() -> int:
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
             "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
+            "growth": growth.growth(tmp, q),
             "memory": memory.memory(tmp, 3 if q else 10, _env(tmp / "memory")),
             "stages": stages.stages(1 if q else 10),
         }

@@ -31,6 +31,12 @@ from bench.chain import chain, env, etcd_member
 CLI = str(Path(sys.executable).parent / "pearing-cli")
 # Long enough that nothing held or waiting here needs renewing while it is measured.
 _LEASE = 3600.0
+_progress = False  # ``python -m bench.growth``: a line on stderr as each size is done
+
+
+def _say(text: str) -> None:
+    if _progress:
+        sys.stderr.write(f"bench.growth: {text}\n")
 
 
 def _ticket(repo: str, lock: str) -> Any:
@@ -132,6 +138,7 @@ def handover(tmp: Path, url: str | None, sizes: list[int], chains: int, length: 
             fifo &= g != [-1.0]
             gaps += g
         p50s.append(statistics.median(gaps))
+        _say(f"hand-over ({'etcd' if url else 'lock dir'}), {size} held: p50 {p50s[-1]:.1f} ms")
     out = _curve(sizes, p50s)
     return out | {"metric": "hand-over p50 ms", "fifo_kept": fifo, "made_s": made, "gaps_per_size": chains * length}
 
@@ -165,6 +172,7 @@ def status(tmp: Path, sizes: list[int], held: int, rounds: int) -> dict[str, Any
         idle.append(statistics.median(ms for ms, _ in runs_idle))
         listed.append(sum(1 for s in json.loads(runs[-1][1]) if s["state"] == "held"))
         listed_idle.append(len(json.loads(runs_idle[-1][1])))
+        _say(f"status, {size} locks: {plain[-1]:.0f} ms, --idle {idle[-1]:.0f} ms")
     return {
         "held": held,
         "status": _curve(sizes, plain) | {"metric": "pearing-cli status ms", "listed_held": listed},
@@ -184,62 +192,103 @@ def _time_cli(args: list[str], e: dict[str, str]) -> tuple[float, bytes]:
 
 class Line:
     """``count`` waiters joined at the end of ``lock``'s line in this process, each as a waiting
-    run joins (``enter``, then ``Place.queue``), their waiting leases kept alive as a waiter's
-    tick does (every second, by a thread of its own with its own connection)."""
+    run joins (``enter``, then ``Place.queue``). Their waiting leases (3 s) are kept alive about
+    every second, as each waiter's tick does, by a keeper process (``keeper``): in this one its
+    thousand requests a second would take turns with the joins being timed."""
 
     def __init__(self, url: str, lock_dir: Path, lock: str) -> None:
         from singleflight.backend import open_backend
-        from singleflight.etcd.client import Cluster
 
         self.backend = open_backend(url, str(lock_dir))
         self.lk = self.backend.lock("default", lock)
         self.places: list[Any] = []
         self.join_ms: list[float] = []
-        self._keeper_cluster = Cluster(url)
-        self._stop = threading.Event()
-        self._keeper = threading.Thread(target=self._keep, daemon=True)
-        self.lapsed = 0
+        here = str(Path(__file__).resolve().parent.parent)
+        self.keeper = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from bench.growth import keeper; keeper(sys.argv[1])", url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": here},
+        )
+        self.lost = 0  # waiters whose place was gone when the drain reached them
+        self.slowest_round = 0.0  # seconds the keeper took to keep every waiting lease once
 
     def join(self, count: int) -> None:
         far = time.monotonic() + _LEASE
-        self._keeper.start()  # the first joined must not lapse while the last join
+        assert self.keeper.stdin is not None
         for _ in range(count):
             t0 = time.perf_counter()
             place = self.lk.enter(_ticket("default", self.lk.lock))
             place.queue(lambda: far)
             self.join_ms.append((time.perf_counter() - t0) * 1000)
             self.places.append(place)
-
-    def _keep(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            for place in list(self.places):
-                if self._stop.is_set():
-                    return
-                if place.waiting_lease and self._keeper_cluster.keepalive(place.waiting_lease) <= 0:
-                    self.lapsed += place.grip is None  # released by the drain: not lapsed
-            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - t0)))
+            self.keeper.stdin.write(f"{place.waiting_lease}\n")
+            self.keeper.stdin.flush()
 
     def drain(self) -> list[float]:
         """Each waiter in turn, first now: its ``wait`` returns the grip, which it releases at
         once (as a wrapper whose holder is gone does). ms each."""
         out = []
         far = time.monotonic() + _LEASE
-        for place in self.places:
-            t0 = time.perf_counter()
-            grip = place.wait(lambda: far)
-            if grip is None:
-                raise SystemExit("bench.growth: a waiter in the drained line lost its place")
-            grip.release()
-            out.append((time.perf_counter() - t0) * 1000)
-        self._stop.set()
+        try:
+            for place in self.places:
+                t0 = time.perf_counter()
+                grip = place.wait(lambda: far)
+                if grip is None:  # its waiting lease lapsed: counted, and the line goes on
+                    self.lost += 1
+                    continue
+                grip.release()
+                out.append((time.perf_counter() - t0) * 1000)
+        finally:
+            assert self.keeper.stdin is not None and self.keeper.stdout is not None
+            self.keeper.stdin.close()  # EOF: the keeper says its slowest round and exits
+            self.slowest_round = float(self.keeper.stdout.read() or 0)
+            self.keeper.wait(30)
         return out
+
+
+def keeper(url: str) -> None:
+    """The line's waiting leases (ids on stdin, one a line), each kept alive about every second by
+    four threads with a connection each, until stdin ends; then the slowest round, in seconds.
+    A lease the drain revoked (TTL -1) is dropped."""
+    from singleflight.core.errors import BackendUnavailable
+    from singleflight.etcd.client import Cluster
+
+    leases: list[int] = []
+    stop = threading.Event()
+    slowest = [0.0]
+
+    def keep(share: int) -> None:
+        cluster = Cluster(url)
+        gone: set[int] = set()
+        while not stop.is_set():
+            t0 = time.monotonic()
+            for lease in leases[share::4]:
+                if lease not in gone:
+                    try:
+                        if cluster.keepalive(lease) <= 0:
+                            gone.add(lease)
+                    except BackendUnavailable:
+                        pass  # a waiter's failed tick is asked again a second later too
+            slowest[0] = max(slowest[0], time.monotonic() - t0)
+            stop.wait(max(0.0, 1.0 - (time.monotonic() - t0)))
+
+    threads = [threading.Thread(target=keep, args=(i,), daemon=True) for i in range(4)]
+    for th in threads:
+        th.start()
+    for text in sys.stdin:
+        leases.append(int(text))
+    stop.set()
+    for th in threads:
+        th.join()
+    sys.stdout.write(f"{slowest[0]}\n")
 
 
 def line(tmp: Path, url: str, sizes: list[int], length: int) -> dict[str, Any]:
     """A pearing-run chain of ``length`` at the head of an etcd line that ``size`` more wait in:
     the N-th waiter's join, the hand-over p50 at the head, and the line drained (ms a waiter)."""
-    joins, last_joins, heads, drains, fifo, lapsed = [], [], [], [], True, 0
+    joins, last_joins, heads, drains, fifo, lost, slowest = [], [], [], [], True, 0, 0.0
     for size in sizes:
         job = f"line-{size}"
         waiting = Line(url, tmp / f"line-{size}", job)
@@ -250,16 +299,19 @@ def line(tmp: Path, url: str, sizes: list[int], length: int) -> dict[str, Any]:
         gaps = chain("pearing", length, tmp, backend=url, job=job, behind=behind)
         fifo &= gaps != [-1.0]
         drained = waiting.drain()
-        lapsed += waiting.lapsed
+        lost += waiting.lost
+        slowest = max(slowest, waiting.slowest_round)
         tail = waiting.join_ms[-max(1, size // 10) :]
         joins.append(statistics.mean(waiting.join_ms))
         last_joins.append(statistics.median(tail))
         heads.append(statistics.median(gaps))
         drains.append(statistics.mean(drained))
+        _say(f"etcd line of {size}: join {joins[-1]:.1f} ms, head p50 {heads[-1]:.1f} ms, drain {drains[-1]:.1f} ms")
     return {
         "chain_length": length,
         "fifo_kept": fifo,
-        "waiting_leases_lapsed": lapsed,
+        "waiters_lost": lost,
+        "slowest_keepalive_round_s": slowest,
         "join ms (mean)": _curve(sizes, joins),
         "join ms (last tenth, median)": _curve(sizes, last_joins),
         "head hand-over p50 ms": _curve(sizes, heads),
@@ -284,26 +336,29 @@ def growth(tmp: Path, quick: bool) -> dict[str, Any]:
     return out
 
 
-def _row(name: str, c: dict[str, Any], unit: str = "ms") -> list[str]:
+def _row(name: str, c: dict[str, Any]) -> list[str]:
     cells = "  ".join(
-        f"{n:>6}: {v:8.2f} {unit} ({r:5.2f}x)" for n, v, r in zip(c["sizes"], c["values"], c["ratios"], strict=True)
+        f"{n:>6}: {v:9.2f} ({r:6.2f}x)" for n, v, r in zip(c["sizes"], c["values"], c["ratios"], strict=True)
     )
-    return [f"{name:<34} {cells}  {c['shape']}"]
+    return [f"{name}: {c['shape']}", f"  {cells}"]
 
 
 def table(g: dict[str, Any]) -> list[str]:
-    lines = ["", "== growth: each size, its value and the ratio to the smallest size's; then the shape =="]
-    for key, label in (("handover lock dir", "lock dir"), ("handover etcd", "etcd")):
+    lines = ["", "== growth: N, the value at N (its ratio to the smallest N's), and the curve's shape =="]
+    for key, where in (("handover lock dir", "lock dir"), ("handover etcd", "etcd")):
         if key in g:
-            lines += _row(f"hand-over p50, N others held ({label})", g[key])
+            lines += _row(f"hand-over p50 ms, N other locks held ({where})", g[key])
     s = g["status"]
-    lines += _row(f"pearing-cli status, N locks ({s['held']} held)", s["status"])
-    lines += _row(f"pearing-cli status --idle, N locks ({s['held']} held)", s["status --idle"])
+    lines += _row(f"pearing-cli status ms, N locks in the lock dir ({s['held']} held)", s["status"])
+    lines += _row(f"pearing-cli status --idle ms, N locks in the lock dir ({s['held']} held)", s["status --idle"])
     e = g.get("etcd line")
     if e:
         for k in ("join ms (mean)", "join ms (last tenth, median)", "head hand-over p50 ms", "drain ms a waiter"):
-            lines += _row(f"etcd line of N: {k}", e[k], "")
-        lines.append(f"etcd line: FIFO kept {e['fifo_kept']}, waiting leases lapsed {e['waiting_leases_lapsed']}")
+            lines += _row(f"etcd line of N waiters, {k}", e[k])
+        lines.append(
+            f"etcd line: FIFO kept {e['fifo_kept']}; waiters lost (lease lapsed) {e['waiters_lost']}; slowest"
+            f" keepalive round {e['slowest_keepalive_round_s']:.2f} s (a waiting lease lasts 3 s)"
+        )
     else:
         lines.append("hand-over and line on etcd: skipped (needs etcd and etcdctl)")
     return lines
@@ -314,6 +369,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the section works")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
+    global _progress
+    _progress = True
     with tempfile.TemporaryDirectory(prefix="pearing-growth-") as t:
         result = growth(Path(t), a.quick)
     if a.out:
