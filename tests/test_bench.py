@@ -54,7 +54,7 @@ def _check_growth(g: dict[str, object], stdout: str) -> None:
         assert isinstance(c, dict)
         assert len(c["sizes"]) == len(c["values"]) == len(c["ratios"]) >= 2, c
         assert c["ratios"][0] == 1.0 and all(v > 0 for v in c["values"]), c
-        assert c["shape"] in {"flat", "sublinear", "linear", "worse"}, c
+        assert c["shape"] in {"flat", "linear", "worse"} and len(c["added_per_unit"]) == len(c["sizes"]) - 1, c
     assert st["status"]["listed_held"] == [st["held"]] * len(st["status"]["sizes"]), st
     assert st["status --idle"]["listed"] == st["status --idle"]["sizes"], st
     assert "== growth:" in stdout
