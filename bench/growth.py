@@ -1,6 +1,6 @@
 """Cost as work grows: the hand-over with many other locks held, ``pearing-cli status`` over many
-locks, and an etcd line of many waiters. Each curve is its sizes' numbers and their ratio to the
-smallest size's: flat stays near 1, linear grows as the size does.
+locks, and an etcd line of many waiters. Each curve is its sizes' values, their ratios to the
+smallest size's, the cost each step adds per unit of size, and its shape (``_curve``).
 
 Many held locks and long lines are made in this one process, through the package's own acquire
 path (``LockOps.enter``, then ``take`` as a holder does, or ``Place.queue`` as a waiter does),
