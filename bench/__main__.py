@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -21,21 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import memory, stages
+from bench import growth, memory, stages
+from bench.chain import FLOCK, etcd_member, wait_for
+from bench.chain import chain as _chain
+from bench.chain import env as _env
 
 BIN = Path(sys.executable).parent
 PY = sys.executable
 RUN = str(BIN / "pearing-run")
 GUARD = str(BIN / "pearing-guard")
 CLI = str(BIN / "pearing-cli")
-FLOCK = shutil.which("flock")
-ETCDCTL = shutil.which("etcdctl")
-
-
-def _env(lock_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARING_")}
-    env["PEARING_LOCK_DIR"] = str(lock_dir)
-    return env
 
 
 def _time(argv: list[str], env: dict[str, str], expect: int | None = 0) -> float:
@@ -63,14 +57,6 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
-def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench: timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 # -- 1, 2, 5: start-up costs ---------------------------------------------------
 
 
@@ -89,7 +75,7 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
         [RUN, "--job", "busy", "--", "sh", "-c", f"touch {tmp}/busy-ready; while [ ! -e {gate} ]; do sleep 0.05; done"],
         env=env,
     )
-    _wait_for((tmp / "busy-ready").exists, 10, "busy holder")
+    wait_for((tmp / "busy-ready").exists, 10, "busy holder")
     cases["pearing-run (busy skip)"] = lambda: _time([RUN, "--job", "busy", "--", "true"], env, expect=75)
     # verify inside a live lease: copy the holder's token file path.
     token_file = next((tmp / "startup").glob("locks/default/@busy/tokens/*.token"))
@@ -123,72 +109,6 @@ def startup(tmp: Path, rounds: int) -> dict[str, Any]:
 # -- 3, 6: hand-over -------------------------------------------------------------
 
 
-def _chain(tool: str, waiters: int, tmp: Path, backend: str | None = None) -> list[float]:
-    """Start a holder, queue ``waiters`` runs behind it, release; hand-over gaps in ms.
-
-    ``tool``: pearing (pearing-run, on the lock dir or ``backend``), flock (flock -w) or
-    etcdctl (etcdctl lock on ``backend``'s queue of the same lock: pearing's mutex prefix).
-    """
-    d = Path(tempfile.mkdtemp(dir=tmp, prefix=f"chain-{tool}-"))
-    env = _env(d / "lockdir")
-    if backend:
-        env["PEARING_BACKEND"] = backend
-        env["ETCDCTL_API"] = "3"
-    gate, ready = d / "go", d / "ready"
-    hold = f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.002; done; date +%s%N > {d}/h"
-    lock = str(d / "flock.lock")
-    etcdctl = (
-        [str(ETCDCTL), "--endpoints", _endpoints(backend), "lock", _mutex_prefix(backend, "c"), "--"] if backend else []
-    )
-    if tool == "pearing":
-        head = [RUN, "--job", "c", "--", "sh", "-c", hold]
-    elif tool == "etcdctl":
-        head = [*etcdctl, "sh", "-c", hold]
-    else:
-        head = [str(FLOCK), "-w", "300", lock, "sh", "-c", hold]
-    procs = [subprocess.Popen(head, env=env)]
-    _wait_for(ready.exists, 10, "chain holder")
-    outs = []
-    for i in range(waiters):
-        out = open(d / f"w{i:03d}", "wb")  # noqa: SIM115 - closed below
-        outs.append(out)
-        if tool == "pearing":
-            argv = [RUN, "--job", "c", "--wait-seconds", "300", "--", "date", "+%s%N"]
-        elif tool == "etcdctl":
-            argv = [*etcdctl, "date", "+%s%N"]
-        else:
-            argv = [str(FLOCK), "-w", "300", lock, "date", "+%s%N"]
-        procs.append(subprocess.Popen(argv, env=env, stdout=out))
-        if tool == "pearing" and not backend:  # arrival order is part of what is measured
-            qdir = d / "lockdir/locks/default/@c/queue"
-            _wait_for(lambda n=i + 1, q=qdir: _queued(q) >= n, 20, "enqueue")
-        elif backend:
-            _wait_for(lambda n=i + 2: _etcd_queued(backend, "c") >= n, 20, "enqueue on etcd")
-    # flock(1) has no queue to watch: give its waiters time to block in the kernel.
-    if tool == "flock":
-        time.sleep(0.2 + waiters * 0.005)
-    gate.touch()
-    for p in procs:
-        if p.wait(300) != 0:
-            raise SystemExit(f"bench: chain member exited {p.returncode}")
-    for out in outs:
-        out.close()
-    stamps = [int((d / "h").read_text())]
-    order = []
-    for i in range(waiters):
-        t = int((d / f"w{i:03d}").read_text())
-        stamps.append(t)
-        order.append((t, i))
-    gaps = [(b - a) / 1e6 for a, b in zip(sorted(stamps), sorted(stamps)[1:], strict=False)]
-    fifo = [i for _, i in sorted(order)] == list(range(waiters))
-    shutil.rmtree(d, ignore_errors=True)
-    return gaps if tool == "flock" or fifo else [-1.0]
-
-
-def _queued(qdir: Path) -> int:
-    return len([q for q in os.listdir(qdir) if q[0].isdigit()]) if qdir.exists() else 0
-
-
 def handover(tmp: Path, chains: int, length: int) -> dict[str, Any]:
     res: dict[str, list[float]] = {"pearing-run --wait-seconds": [], "flock -w": []}
     fifo_ok = True
@@ -207,65 +127,14 @@ def handover(tmp: Path, chains: int, length: int) -> dict[str, Any]:
     return out
 
 
-def _etcd_queued(url: str, job: str) -> int:
-    from singleflight.etcd.client import Cluster
-    from singleflight.etcd.lock import Mutex
-
-    kvs, _ = Mutex(Cluster(url), "default", job).queue(keys_only=True)
-    return len(kvs)
-
-
-def _endpoints(url: str | None) -> str:
-    from singleflight.etcd.client import parse_url
-
-    return ",".join(f"{h}:{p}" for h, p in parse_url(str(url))[0])
-
-
-def _mutex_prefix(url: str | None, job: str) -> str:
-    """The etcd concurrency-mutex prefix of (default, job): what etcdctl lock takes."""
-    from singleflight.etcd.client import parse_url
-
-    return f"/{parse_url(str(url))[1]}/default/@{job}/q"
-
-
 def etcd_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
     """pearing-run and etcdctl lock, chains alternating on one single-member etcd on loopback,
     and the lock dir in the same run. Skipped without etcd or etcdctl."""
-    etcd = shutil.which("etcd")
-    if etcd is None or ETCDCTL is None:
-        return None
-    import socket
-
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            ports.append(sk.getsockname()[1])
-    client, peer = ports
-    proc = subprocess.Popen(
-        [
-            etcd, "--name", "bench", "--data-dir", str(tmp / "etcd-data"),
-            "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"etcd://127.0.0.1:{client}"
     res: dict[str, list[float]] = {"pearing-run --backend etcd": [], "etcdctl lock": [], "pearing-run (lock dir)": []}
     fifo = True
-    try:
-        import urllib.request
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=0.5) as r:
-                    return b"true" in r.read()
-            except OSError:
-                return False
-
-        _wait_for(healthy, 20, "etcd")
+    with etcd_member(tmp / "etcd-data") as url:
+        if url is None:
+            return None
         _chain("pearing", 2, tmp, backend=url)  # warm-up
         _chain("etcdctl", 2, tmp, backend=url)
         for _ in range(chains):
@@ -277,9 +146,6 @@ def etcd_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
                 gaps = _chain(tool, length, tmp, backend=backend)
                 fifo &= gaps != [-1.0]
                 res[name] += gaps
-    finally:
-        proc.terminate()
-        proc.wait(10)
     out: dict[str, Any] = {"chain_length": length, "chains": chains, "fifo_kept": fifo}
     for k, v in res.items():
         out[k] = {"p50_ms": statistics.median(v), "p99_ms": _pct(v, 99), "max_ms": max(v), "n": len(v)}
@@ -445,6 +311,7 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
+    lines += growth.table(r["growth"])
     lines += memory.table(r["memory"])
     st = r.get("stages")
     lines += ["", stages.table(st).rstrip()] if st else ["", "== stages: skipped (needs strace) =="]
@@ -467,6 +334,7 @@ def main() -> int:
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
             "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
+            "growth": growth.growth(tmp, q),
             "memory": memory.memory(tmp, 3 if q else 10, _env(tmp / "memory")),
             "stages": stages.stages(1 if q else 10),
         }

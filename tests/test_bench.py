@@ -23,7 +23,7 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    assert {"startup", "handover", "waiters", "expiry", "many_locks", "memory"} <= set(result)
+    assert {"startup", "handover", "waiters", "expiry", "many_locks", "memory", "growth"} <= set(result)
     assert "pearing-cli heartbeat" in result["startup"]["median_ms"], result["startup"]
     mem = result["memory"]
     # A held lock's pearing processes map at least an interpreter's worth of pages of their own.
@@ -32,7 +32,29 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     assert result["expiry"]["token_refused_in_term_trap"] == "3/3"
     assert result["many_locks"]["status_listed"] == 200
     assert "hand-over, chains of 5 waiters" in r.stdout
+    _check_growth(result["growth"], r.stdout)
     if shutil.which("strace"):  # stage stamps: each stage found in the trace, none negative
         for run in ("uncontended", "handover"):
             assert all(ms >= 0 for ms in result["stages"][run].values()), result["stages"]
         assert "holder handed the fd to fence durable (fsyncs)" in result["stages"]["handover"], result["stages"]
+
+
+def _check_growth(g: dict[str, object], stdout: str) -> None:
+    """Every curve has a value and a ratio for each size, and a shape; the locks held in the
+    bench's own process show as held to pearing-cli status, and every lock to --idle."""
+    st = g["status"]
+    assert isinstance(st, dict)
+    curves = [g["handover lock dir"], st["status"], st["status --idle"]]
+    if shutil.which("etcd") and shutil.which("etcdctl"):
+        line = g["etcd line"]
+        assert isinstance(line, dict)
+        curves += [g["handover etcd"], line["head hand-over p50 ms"], line["drain ms a waiter"]]
+        assert line["fifo_kept"] and line["waiters_lost"] == 0, line
+    for c in curves:
+        assert isinstance(c, dict)
+        assert len(c["sizes"]) == len(c["values"]) == len(c["ratios"]) >= 2, c
+        assert c["ratios"][0] == 1.0 and all(v > 0 for v in c["values"]), c
+        assert c["shape"] in {"flat", "linear", "worse"} and len(c["added_per_unit"]) == len(c["sizes"]) - 1, c
+    assert st["status"]["listed_held"] == [st["held"]] * len(st["status"]["sizes"]), st
+    assert st["status --idle"]["listed"] == st["status --idle"]["sizes"], st
+    assert "== growth:" in stdout
