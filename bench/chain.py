@@ -127,14 +127,14 @@ def etcd_queued(url: str, job: str) -> int:
 
 
 def endpoints(url: str | None) -> str:
-    from singleflight.etcd.client import parse_url
+    from singleflight.etcd.url import parse_url
 
     return ",".join(f"{h}:{p}" for h, p in parse_url(str(url))[0])
 
 
 def mutex_prefix(url: str | None, job: str) -> str:
     """The etcd concurrency-mutex prefix of (default, job): what etcdctl lock takes."""
-    from singleflight.etcd.client import parse_url
+    from singleflight.etcd.url import parse_url
 
     return f"/{parse_url(str(url))[1]}/default/@{job}/q"
 

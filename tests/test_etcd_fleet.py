@@ -26,8 +26,9 @@ from helpers import PEARING_CLI, Gate, Procs, holder_pid, pid_alive, q, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
-from singleflight.etcd.client import b64, parse_url, unb64
+from singleflight.etcd.client import b64, unb64
 from singleflight.etcd.lock import WAIT_TTL, Mutex
+from singleflight.etcd.url import parse_url
 
 ETCDCTL = shutil.which("etcdctl")
 needs_etcdctl = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from helpers import PEARING_CLI, Gate, Procs
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.core.errors import BadValue
 from singleflight.etcd.client import Cluster as Client
-from singleflight.etcd.client import parse_url
+from singleflight.etcd.url import parse_url
 
 
 @pytest.mark.parametrize("path", ["acme/prod", "acme/", "a/b/c", ".", "..", "acme prod", "x" * 201])
@@ -22,6 +22,29 @@ def test_a_prefix_is_one_name(path: str) -> None:
     with pytest.raises(BadValue) as err:
         parse_url(f"etcd://127.0.0.1:2379/{path}")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    ["1..2:2379", ".:2379", "a.:2379,:2379", "-a:2379", "a-:2379", "a b:2379", "x" * 64 + ":2379", "[]:2379",
+     "[::1:2379", "::1]:2379", "a@b:2379", "a/b:2379", "\u00e9\u0001:2379"],
+)  # fmt: skip
+def test_a_host_the_resolver_cannot_take_is_64_not_an_internal_error(hosts: str, procs: Procs) -> None:
+    """``etcd://1..2:2379`` passed the URL's check and failed at its first request, in the idna
+    codec: exit 70, "internal error (a bug)". Refused at once now, in the URL's words."""
+    url = f"etcd://{hosts}/t"
+    with pytest.raises(BadValue) as err:
+        parse_url(url)
+    assert "\n" not in str(err.value)
+    r = procs.run_text([PEARING_CLI, "status"], env=dict(procs.env, **{ENV_BACKEND: url}))
+    assert r.returncode == ExitCode.USAGE and "backend" in r.one_line(), r
+
+
+@pytest.mark.parametrize(
+    "hosts", ["127.0.0.1:2379", "etcd-1.example.:2379", "my_etcd:2379", "[::1]:2379", "b\u00fccher.example:2379"]
+)
+def test_names_the_resolver_takes_pass(hosts: str) -> None:
+    assert parse_url(f"etcd://{hosts}")[0][0][0] == hosts.rpartition(":")[0].strip("[]")
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,6 @@ from singleflight.etcd.client import (
     op_put,
     op_range,
     op_txn,
-    parse_url,
     ranged,
 )
 from singleflight.etcd.grip import EtcdGrip
@@ -48,6 +47,7 @@ from singleflight.etcd.lock import Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import parse, parse_ticket, stamp_lease
 from singleflight.etcd.tickets import EtcdTickets
+from singleflight.etcd.url import parse_url
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -19,44 +19,14 @@ import contextlib
 
 from singleflight.core import jsontext
 from singleflight.core.const import TYPE_CHECKING
-from singleflight.core.errors import BackendUnavailable, BadValue
+from singleflight.core.errors import BackendUnavailable
+from singleflight.etcd.url import parse_url
 from singleflight.etcd.wire import Conn
 
 if TYPE_CHECKING:
     from typing import Any
 
 API_PATH = "/v3/"  # etcd >= 3.4; passed explicitly, no version discovery round trip
-
-DEFAULT_PREFIX = "pearing"
-_URL_RULE = "must be etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"
-_PREFIX_RULE = "PREFIX is one name of [A-Za-z0-9._-], no '/' (a nested PREFIX shares keys with another tenant's scopes)"
-_PREFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-
-
-def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
-    """``etcd://h1:2379,h2:2379/team-a`` -> ([(h1, 2379), (h2, 2379)], "team-a").
-
-    The prefix is the tenant: every key of every command lives under ``/PREFIX/``
-    (default ``pearing``), so two teams or environments can share one cluster.
-    It is one name of [A-Za-z0-9._-], not '.' or '..': without a '/', so that the first
-    segment of a key is its tenant and the rest up to ``/@LOCK`` its scope. A nested
-    ``acme/prod`` with scope ``web`` was tenant ``acme``'s scope ``prod/web``: the same keys,
-    the same lock (issue 22, item 11). Such a URL is refused, never read another way: a
-    pearing that found other keys for it would start a second line beside the old one.
-    """
-    if not url.startswith("etcd://"):
-        raise BadValue("backend", url, _URL_RULE)
-    hosts, _, prefix = url[len("etcd://") :].partition("/")
-    prefix = prefix or DEFAULT_PREFIX  # none, or a trailing slash alone: the default tenant
-    if len(prefix) > 200 or prefix in (".", "..") or not set(prefix) <= _PREFIX_CHARS:
-        raise BadValue("backend", url, f"{_URL_RULE}; {_PREFIX_RULE}")
-    out = []
-    for part in hosts.split(","):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise BadValue("backend", url, _URL_RULE)
-        out.append((host.strip("[]"), int(port)))
-    return out, prefix
 
 
 def b64(data: str | bytes) -> str:
