@@ -56,9 +56,6 @@ class Grip(Protocol):
     def keep_every(self) -> float | None:
         """How often ``keep`` must be called while COMMAND lives (None: never needed)."""
 
-    def fds(self) -> set[int]:
-        """The fds a forked holder must keep open (the rest are closed)."""
-
     def keep(self) -> None:
         """Keep the lock ours a while longer (an etcd keepalive); never raises."""
 
@@ -72,9 +69,12 @@ class Grip(Protocol):
     def release(self) -> None:
         """The holder is gone and COMMAND is dead: free the lock now."""
 
-    def handover(self) -> dict[str, Any]:
-        """What a holder forked before this grip existed needs to take it over: ``take`` accepts it.
-        Only asked where the scheme table says ``grip_is_data`` (a lock dir's grip is an fd: {})."""
+    def handover(self) -> tuple[dict[str, Any], set[int]]:
+        """What another process needs to hold this grip too: a description, and the fds that
+        go with it (the lock dir's flocked fd; none on etcd). A holder forked with the grip keeps
+        those fds open (the rest are closed); one forked before the grip existed gets both over
+        its socketpair (the fds by SCM_RIGHTS), and ``take`` accepts the description with the
+        fds it received as ``"fds"``."""
 
 
 class Place(Protocol):

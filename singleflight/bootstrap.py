@@ -49,7 +49,7 @@ def fork_holder(o: RunOptions, ticket: Ticket, grip: Grip | None) -> tuple[int, 
         try:
             os.close(to_w)
             os.close(from_r)
-            detach({*(grip.fds() if grip is not None else ()), to_r, from_w})
+            detach({*(grip.handover()[1] if grip is not None else ()), to_r, from_w})
             code = _serve(o, ticket, grip, cfg, Channel(to_r, from_w))
         finally:
             os._exit(int(code))

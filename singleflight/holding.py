@@ -105,7 +105,8 @@ class HeldRun:
     def _hand_over(self, grip: Grip) -> Channel | None:
         """The grip to the holder forked as we started to wait; None if there is none (or it died)."""
         chan, self.standby = self.standby, None
-        if chan is None or chan.send(protocol.go(grip.handover()), grip.fds()):
+        info, fds = grip.handover() if chan is not None else ({}, set())
+        if chan is None or chan.send(protocol.go(info), fds):
             return chan
         chan.close()
         _reap(self.holder_pid)

@@ -52,12 +52,10 @@ class EtcdGrip:
         # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
         self.keep_every: float | None = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
 
-    def fds(self) -> set[int]:
-        return set()
-
-    def handover(self) -> dict[str, Any]:
+    def handover(self) -> tuple[dict[str, Any], set[int]]:
+        """All of it is data: the lease and key (no fd)."""
         kv = self.kv
-        return {
+        info = {
             "kv": {
                 "key": str(kv["key"]),
                 "value": b64(kv["value"]),
@@ -73,6 +71,7 @@ class EtcdGrip:
             "waiting_kept_at": self.waiting_kept_at,
             "keep_lease": self.keep_lease,
         }
+        return info, set()
 
     @classmethod
     def from_handover(cls, cluster: Cluster, info: dict[str, Any]) -> EtcdGrip:

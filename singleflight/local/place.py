@@ -34,9 +34,6 @@ class FlockGrip:
     def __init__(self, fd: int, slot: int = 0) -> None:
         self.fd, self.slot = fd, slot
 
-    def fds(self) -> set[int]:
-        return {self.fd}
-
     def keep(self) -> None:
         """The fd keeps the lock by being open."""
 
@@ -50,8 +47,8 @@ class FlockGrip:
 
     release = close
 
-    def handover(self) -> dict[str, Any]:
-        return {"slot": self.slot}  # the fd itself goes beside the message (``fds``)
+    def handover(self) -> tuple[dict[str, Any], set[int]]:
+        return {"slot": self.slot}, {self.fd}  # the fd itself goes beside the message
 
     @classmethod
     def from_handover(cls, info: dict[str, Any]) -> FlockGrip:
