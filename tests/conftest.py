@@ -101,10 +101,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # set (as on the CI machine) no import writes a .pyc, so each of them compiled every module
     # from source until some test happened to write them: a CI run spent half its CPU that way
     # (pytest 579 s against 383 s). Compiled here once, as a regular install compiles at install.
-    # (The helper scripts tests start, which import this directory's modules, likewise.)
+    # (The helper scripts tests start, which import this directory's modules, likewise.) A strict
+    # editable install imports the package through a tree of links (build/), whose __pycache__
+    # is its own: compiled there too, as imported.
+    import singleflight
+
     root = Path(__file__).resolve().parent.parent
-    for tree in ("singleflight", "tests"):
-        compileall.compile_dir(str(root / tree), quiet=1)
+    for tree in {root / "singleflight", Path(singleflight.__file__).parent, root / "tests"}:
+        compileall.compile_dir(str(tree), quiet=1)
     config.addinivalue_line("markers", "etcd: runs against the real etcd cluster (the etcd half of `backend`)")
     config.addinivalue_line(
         "markers",
