@@ -17,6 +17,8 @@ from test_mcp import serve, server_args  # noqa: F401 - server_args is a fixture
 
 from singleflight.cli._table import render
 from singleflight.core.const import ExitCode
+from singleflight.core.errors import SlotsMismatch
+from singleflight.core.ticket import Ticket, check_slots
 
 # Each COMMAND logs "RUN:SLOT:FENCE start T" and "... end T" (interval_cmd.py, CLOCK_MONOTONIC).
 _NAMED = 'exec "$0" "$1" "$2" "$3:$PEARING_SLOT:$PEARING_FENCE" "$4"'
@@ -296,3 +298,21 @@ def test_a_lost_lease_stops_only_its_own_run(backend: str, procs: Procs, work: P
     assert steady.poll() is None, "the other slot's run was stopped"
     gate.open()
     assert procs.finish(steady).returncode == 0
+
+
+def _t(slots: int, state: str = "waiting") -> Ticket:
+    t = Ticket(ticket_id=str(uuid.uuid4()), request_uuid=str(uuid.uuid4()), lock_name="J", repo="default", identity="t")
+    t.slots, t.state = slots, state
+    return t
+
+
+def test_the_first_live_ticket_in_line_speaks_for_the_locks_slots() -> None:
+    """The rule both stores call (``core.ticket.check_slots``): the first live ticket in line
+    order, not any later one (of two that disagree the later leaves); ended ones and the
+    newcomer itself say nothing."""
+    me = _t(3)
+    check_slots(me, [_t(1, "expired"), me, _t(3, "held"), _t(1)])  # a later disagreeing one: not ours to judge
+    check_slots(me, [])
+    with pytest.raises(SlotsMismatch) as err:
+        check_slots(me, [_t(2, "released"), _t(1, "held"), _t(3)])
+    assert (err.value.asked, err.value.live) == (3, 1)

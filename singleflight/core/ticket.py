@@ -19,11 +19,12 @@ from singleflight.core.const import (
     TYPE_CHECKING,
     WAITING,
 )
+from singleflight.core.errors import SlotsMismatch
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import HEX, checked, is_uuid, loads, rfc3339, valid
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any, Final
 
 # Stored fields, in order. Those in _HIDDEN never leave the backend (token_hash)
@@ -290,3 +291,15 @@ class Ticket:
         if token_file is not None:
             out["token_file"] = token_file
         return out
+
+
+def check_slots(ticket: Ticket, line: Iterable[Ticket]) -> None:
+    """``--slots`` against the lock's, on every store: a lock has one number of slots at a time,
+    that of the first live ticket in line order (holders first, ``ticket`` itself skipped). Each
+    live ticket agreed with those ahead of it when it joined, and of two that disagree the later
+    leaves, so the first one speaks for the lock; a store reads no more of its line than that."""
+    for t in line:
+        if t.live and t.ticket_id != ticket.ticket_id:
+            if t.slots != ticket.slots:
+                raise SlotsMismatch(ticket.slots, t.slots)
+            return

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 from singleflight.core.const import TYPE_CHECKING
-from singleflight.core.errors import BackendUnavailable, SlotsMismatch
-from singleflight.core.ticket import Ticket
+from singleflight.core.errors import BackendUnavailable
+from singleflight.core.ticket import Ticket, check_slots
 from singleflight.etcd.client import cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import parse
@@ -29,17 +29,13 @@ _TRIES = 20
 
 
 def check(mutex: Mutex, ticket: Ticket, line: list[dict[str, Any]] | None = None, *, before: int = 0) -> None:
-    """``ticket``'s slots against those of the live tickets in line (another client's keys say
-    nothing), or only of those ahead of create revision ``before``: of two runs that disagree,
-    the later leaves. A lock has one number of slots at a time."""
+    """``ticket``'s slots against the lock's (``check_slots``, the rule on every store): the line
+    read off its head, or the tickets ahead of create revision ``before`` (a holder claiming its
+    slot); another client's keys say nothing."""
     if line is None:
         line = _head(mutex)
-    for kv in line:
-        if before and kv["create_revision"] >= before:
-            continue
-        t = parse(kv["value"])
-        if t is not None and t.live and t.ticket_id != ticket.ticket_id and t.slots != ticket.slots:
-            raise SlotsMismatch(ticket.slots, t.slots)
+    ahead = (kv for kv in line if not before or kv["create_revision"] < before)
+    check_slots(ticket, (t for kv in ahead if (t := parse(kv["value"])) is not None))
 
 
 # Keys read off the head of the line by a join's check: more only when none of them is a live

@@ -23,9 +23,9 @@ import signal
 import time
 
 from singleflight.core import proc
-from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
-from singleflight.core.errors import SlotsMismatch
-from singleflight.core.ticket import Ticket
+from singleflight.core.const import HELD, TYPE_CHECKING
+from singleflight.core.ticket import Ticket, check_slots
+from singleflight.local import queue
 from singleflight.local.queue import POKES, Interrupted, try_flock
 from singleflight.local.store import LockStore
 
@@ -71,14 +71,11 @@ def check(store: LockStore, ticket: Ticket) -> None:
     number of slots at a time. A ticket whose process is gone does not count."""
     if ticket.slots == 1 and not ever_slotted(store):
         return
-    for t in store.tickets():
-        if (
-            t.ticket_id != ticket.ticket_id
-            and t.state in (HELD, WAITING)
-            and t.slots != ticket.slots
-            and proc.alive(t.holder_pid, t.holder_start)
-        ):
-            raise SlotsMismatch(ticket.slots, t.slots)
+    live = [t for t in store.tickets() if t.live and proc.alive(t.holder_pid, t.holder_start)]
+    order = {name.rpartition(".")[2]: i for i, name in enumerate(queue.live_entries(store))}
+    # Line order: the holders by fence, then the waiters as they queue (one not in line yet, last).
+    live.sort(key=lambda t: (0, t.fence or 0) if t.state == HELD else (1, order.get(t.ticket_id, len(order))))
+    check_slots(ticket, live)
 
 
 class _Inotify:
