@@ -246,12 +246,10 @@ class Backend(Protocol):
     def prepare_record(self, key: Key, body: bytes) -> None:
         """Before COMMAND starts: keep ``body`` ready for ``write_record`` at its end."""
 
-    def guard_facts(self, claim: Claim, digest: str) -> Facts:
-        """What the store knows of the claimed ticket (``digest``: its token's hash), in one read."""
-
-    def hold_guard(self, claim: Claim, seconds: float) -> AbstractContextManager[bool]:
-        """Keep expiry and hand-over of the claimed ticket waiting (at most ``seconds``) while
-        inside; False when there is no such ticket to hold off."""
+    def guard(self, claim: Claim, digest: str, hold: float | None) -> AbstractContextManager[Facts]:
+        """What the store knows of the claimed ticket (``digest``: its token's hash), in one read.
+        With ``hold`` (seconds at most), expiry and hand-over of that ticket wait while inside:
+        the facts are read once the hold is in place (of no ticket when there is none to hold)."""
 
     # -- the thread service (a fenced target): rules/threads.py ------------------------------
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:

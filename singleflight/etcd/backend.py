@@ -362,18 +362,19 @@ class EtcdBackend:
 
         return prune.prune(self.cluster, repo, lock, keep, dry_run=dry_run)
 
-    def guard_facts(self, claim: Claim, digest: str) -> Facts:
+    @contextmanager
+    def guard(self, claim: Claim, digest: str, hold: float | None) -> Iterator[Facts]:
         from singleflight.etcd import guard as recipe_guard  # pearing-guard's, not pearing-run's
 
-        return recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
-
-    @contextmanager
-    def hold_guard(self, claim: Claim, seconds: float) -> Iterator[bool]:
-        from singleflight.etcd import guard as recipe_guard
-
-        held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id or "", seconds)
+        if hold is None:
+            yield recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
+            return
+        held = recipe_guard.hold_guard(self.cluster, claim.repo, claim.lock, claim.ticket_id or "", hold)
         try:
-            yield held is not None
+            if held is None:
+                yield Facts(None)
+            else:
+                yield recipe_guard.facts(self.cluster, claim.repo, claim.lock, claim.ticket_id, digest)
         finally:
             if held is not None:
                 self.cluster.revoke(held[1])

@@ -6,7 +6,7 @@ import fcntl
 import os
 import signal
 import time
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
@@ -367,15 +367,15 @@ class LocalBackend:
         with self._lock_records(key) as records:
             records.prepare_record(key.name, body)
 
-    def guard_facts(self, claim: Claim, digest: str) -> Facts:
+    @contextmanager
+    def guard(self, claim: Claim, digest: str, hold: float | None) -> Iterator[Facts]:
         from singleflight.local import guard  # hmac and the rest: pearing-guard's, not pearing-run's
 
-        return guard.facts(claim, digest)
-
-    def hold_guard(self, claim: Claim, seconds: float) -> AbstractContextManager[bool]:
-        from singleflight.local import guard
-
-        return guard.hold_guard(claim)
+        if hold is None:
+            yield guard.facts(claim, digest)
+            return
+        with guard.hold_guard(claim) as held:  # the time bound is the caller's (exec's --max-seconds)
+            yield guard.facts(claim, digest) if held else Facts(None)
 
     def read_thread(self, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
         from singleflight.local.threads import Threads  # sqlite3: the thread service's, not pearing-run's

@@ -66,7 +66,8 @@ def verify(backend: Backend, claim: Claim) -> Verdict:
     """Is this token the live holder's right now? Never raises for a refusal."""
     digest = token_hash(claim.token)
     try:
-        return judge(claim, backend.guard_facts(claim, digest), digest)
+        with backend.guard(claim, digest, None) as facts:
+            return judge(claim, facts, digest)
     except BackendUnavailable as exc:
         return claim.refuse(str(exc))
 
@@ -82,14 +83,13 @@ def hold_off(backend: Backend, claim: Claim, seconds: float) -> Iterator[Verdict
     if not claim.ticket_id:
         # PEARING_TOKEN + PEARING_LOCK + PEARING_REPO alone: a hold names its ticket, so find
         # the ticket by its token first (judged again below, once the hold is in place).
-        found = judge(claim, backend.guard_facts(claim, digest), digest)
+        with backend.guard(claim, digest, None) as facts:
+            found = judge(claim, facts, digest)
         if not found.ok:
             raise NotHeld(found.ticket_id or "-", found.reason)
         claim = claim.of_ticket(found.ticket_id)
-    with backend.hold_guard(claim, seconds) as held:
-        verdict = judge(claim, backend.guard_facts(claim, digest), digest)
+    with backend.guard(claim, digest, seconds) as facts:  # no ticket to hold: it went meanwhile
+        verdict = judge(claim, facts, digest)
         if not verdict.ok:
             raise NotHeld(verdict.ticket_id or "-", verdict.reason)
-        if not held:  # its ticket went between the two reads
-            raise NotHeld(verdict.ticket_id or "-", UNKNOWN)
         yield verdict
