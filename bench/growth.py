@@ -72,11 +72,11 @@ class Holdings:
     def hold(self, repo: str, lock: str) -> None:
         lk = self.backend.lock(repo, lock)
         ticket = _ticket(repo, lock)
-        place = lk.enter(ticket)
-        if place.grip is None:
+        grip, _ = lk.enter(ticket)
+        if grip is None:
             raise SystemExit(f"bench.growth: {repo}/{lock} was not free")
-        lease, _ = lk.take(place.grip, ticket, promoted=False, kill_grace=5.0)
-        self.held.append((lk, place.grip, lease))
+        lease, _ = lk.take(grip, ticket, promoted=False, kill_grace=5.0)
+        self.held.append((lk, grip, lease))
 
     def top_up(self, count: int, repo: str = "default", prefix: str = "other") -> float:
         """Hold ``count`` locks in all (``prefix-00000``...); seconds it took."""
@@ -217,7 +217,7 @@ class Line:
         mutex, cluster = self.lk.mutex, self.lk.cluster
         for _ in range(count):
             t0 = time.perf_counter()
-            place = self.lk.enter(_ticket("default", self.lk.lock))
+            _, place = self.lk.enter(_ticket("default", self.lk.lock))
             place.queue(lambda: far)
             self.join_ms.append((time.perf_counter() - t0) * 1000)
             place.kv, _ = mutex.rehome(place.kv, place.lease)

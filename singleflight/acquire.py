@@ -41,9 +41,9 @@ def acquire(
     when the line held ``ticket.max_waiting`` waiters as it arrived (the backend counts and
     joins in one step); the ticket is ended as cancelled, line full, before it is raised.
     """
-    place = lk.enter(ticket)
-    if place.grip is not None:
-        return place.grip
+    grip, place = lk.enter(ticket)
+    if grip is not None:
+        return grip
     holder = events.target(lk, ticket) if ticket.cancel_in_progress else None
     if holder is not None:
         until = max(until, time.monotonic() + holder.grace + events.SLACK)
@@ -59,7 +59,6 @@ def acquire(
 
     from singleflight import holder as _holder  # noqa: F401
 
-    grip = None
     asked = None
     try:
         try:

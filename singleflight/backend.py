@@ -10,7 +10,7 @@ backend differs only behind them.
 The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
 
     lock = backend.lock(repo, name)
-    place = lock.enter(ticket)            # the lock at once (place.grip), or a place to queue
+    grip, place = lock.enter(ticket)      # the lock at once (grip), else a place to queue
     place.queue(); grip = place.wait(deadline)     # FIFO, bounded, woken by the backend
     lease, taken = lock.take(grip, ticket, ...)    # in the holder: fence, token, token file
     Holder(lease, ...).serve()                     # renew / check / end / release
@@ -78,11 +78,7 @@ class Grip(Protocol):
 
 
 class Place(Protocol):
-    """One arrival at a lock: the lock itself (``grip``), or the right to queue for it."""
-
-    @property
-    def grip(self) -> Grip | None:
-        """The lock, when it was free and nobody was in line (or once ``wait`` got it)."""
+    """One arrival at a lock that did not get it at once: the right to queue for it."""
 
     def queue(self, deadline: Callable[[], float]) -> int:
         """Take a place at the end of the line, held at most until ``deadline()`` (monotonic; asked
@@ -144,7 +140,9 @@ class LockOps(Protocol):
     def close(self) -> None: ...
 
     # -- acquiring ---------------------------------------------------------------------------
-    def enter(self, ticket: Ticket) -> Place: ...
+    def enter(self, ticket: Ticket) -> tuple[Grip | None, Place]:
+        """Arrive: the lock itself when it is free and nobody is in line (the place then needs no
+        ``leave``), else no grip and a place to queue from."""
 
     # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
     def holder_records(self) -> list[Ticket]:
@@ -194,9 +192,6 @@ class LockOps(Protocol):
         """End a live ticket (its token dies) and have its process let go of the lock: a holder
         stops COMMAND first, a waiter leaves the line. Waits at most ``within`` for it. None if
         the ticket had ended already."""
-
-    def orphaned(self, ticket: Ticket) -> bool:
-        """Is nobody on this host left to keep this ticket's lock (its processes are dead)?"""
 
     def line(self) -> Line:
         """The line as it stands: the holder first, then the waiters in order; the lock's fence."""

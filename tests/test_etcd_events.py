@@ -19,7 +19,7 @@ from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
 from singleflight.etcd.client import cmp, op_put
 from singleflight.etcd.lock import WAIT_TTL, Mutex
-from singleflight.etcd.records import margin_of, owner_of, parse, value
+from singleflight.etcd.records import margin_of, parse, value
 
 
 def line(url: str, job: str) -> list[dict[str, Any]]:
@@ -186,7 +186,7 @@ def test_a_cancel_request_reaches_the_holder_through_the_cluster_alone(
     t = parse(raw)
     assert t is not None
     by = t.superseded_by = carried(waiting)
-    body = value(t, lease, margin=margin_of(raw) or None, owner=owner_of(raw))
+    body = value(t, lease, margin=margin_of(raw) or None)  # the owner rides in the ticket
     r = client.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, lease)], [])
     assert r.get("succeeded"), r
     asked = time.monotonic()

@@ -44,6 +44,8 @@ FIELDS = (
     "holder_pid",
     "holder_start",
     "holder_host",
+    "owner_pid",
+    "owner_start",
     "promoted",
     "created_at",
     "acquired_at",
@@ -58,7 +60,7 @@ FIELDS = (
     "slots",
     "slot",
 )
-_HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash"})
+_HIDDEN = frozenset({"lease_deadline_mono", "boot_id", "holder_start", "token_hash", "owner_pid", "owner_start"})
 _TIMES = frozenset({"lease_expires_at", "created_at", "acquired_at", "ended_at"})
 _TYPES: dict[str, tuple[type, ...]] = {
     "ticket_id": (str,),
@@ -75,6 +77,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "holder_pid": (int,),
     "holder_start": (int,),
     "holder_host": (str,),
+    "owner_pid": (int,),
+    "owner_start": (int,),
     "promoted": (bool,),
     "created_at": (int, float),
     "acquired_at": (int, float),
@@ -128,6 +132,8 @@ class Ticket:
         holder_pid: int | None = None,
         holder_start: int | None = None,
         holder_host: str | None = None,
+        owner_pid: int | None = None,
+        owner_start: int | None = None,
         promoted: bool | None = False,
         created_at: float | None = None,
         acquired_at: float | None = None,
@@ -148,6 +154,9 @@ class Ticket:
         self.lease_seconds = float(lease_seconds or 0.0)
         self.lease_expires_at, self.lease_deadline_mono, self.boot_id = lease_expires_at, lease_deadline_mono, boot_id
         self.holder_pid, self.holder_start, self.holder_host = holder_pid, holder_start, holder_host
+        # Where a store records it (etcd): the process that keeps the lock while COMMAND lives
+        # even if the holder died (pearing-run's wrapper), or the agent that waited itself.
+        self.owner_pid, self.owner_start = owner_pid, owner_start
         self.promoted = bool(promoted)
         self.created_at = time.time() if created_at is None else created_at
         self.acquired_at, self.ended_at, self.end_reason = acquired_at, ended_at, end_reason
@@ -179,6 +188,8 @@ class Ticket:
     holder_pid: int | None
     holder_start: int | None
     holder_host: str | None
+    owner_pid: int | None
+    owner_start: int | None
     promoted: bool
     created_at: float
     acquired_at: float | None
@@ -266,6 +277,20 @@ class Ticket:
         if gone:
             return EndReason.HOLDER_GONE.text()
         return None
+
+    def orphaned(self) -> bool:
+        """Is nobody on this host left to keep this ticket's lock? Its holder (or waiter) is dead,
+        and so is the process that keeps the lock while COMMAND lives, where the store records
+        one (``owner_pid``: pearing-run's wrapper). A ticket of another machine is not ours to
+        judge: its lease tells. (Its host by name, or by boot: a host renamed while it runs is
+        still this boot.)"""
+        import os
+
+        from singleflight.core import proc
+
+        if self.holder_host not in (None, os.uname().nodename) and self.boot_id != proc.boot_id():
+            return False
+        return not proc.alive(self.holder_pid, self.holder_start) and not proc.alive(self.owner_pid, self.owner_start)
 
     def describe_end(self) -> str:
         """Why an ended ticket ended, as users read it: ``expired (holder gone) at ...``."""

@@ -102,7 +102,11 @@ class EtcdLock(EtcdTickets):
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def enter(self, ticket: Ticket) -> EtcdPlace:
+    def enter(self, ticket: Ticket) -> tuple[EtcdGrip | None, EtcdPlace]:
+        place = self._arrive(ticket)
+        return place.grip, place
+
+    def _arrive(self, ticket: Ticket) -> EtcdPlace:
         tid = ticket.ticket_id
         ttl = ttl_of(ticket.lease_seconds)
         adopted = self._adopted.pop(tid, None)
@@ -175,7 +179,7 @@ class EtcdLock(EtcdTickets):
         key, fence = str(kv["key"]), int(kv["create_revision"])
         t = parse_ticket(kv["value"])
         t.slot = 0 if t.slots == 1 else slots.claim(self.mutex, t, kv, grip.lease)
-        owner = (t.holder_pid, t.holder_start)  # who waited: pearing-run's wrapper, or the agent itself
+        t.owner_pid, t.owner_start = t.holder_pid, t.holder_start  # who waited: pearing-run's wrapper, or the agent
         t.state, t.fence, t.promoted = HELD, fence, promoted or t.promoted
         t.holder_pid, t.holder_start = os.getpid(), proc.start_time(os.getpid())
         t.holder_host = os.uname().nodename
@@ -194,7 +198,6 @@ class EtcdLock(EtcdTickets):
             kept_at=grip.kept_at,
             waiting_lease=grip.waiting_lease,
             keep_lease=grip.keep_lease,
-            owner=owner,
         )
         if t.ticket_id in self._agents:
             # Its owner (pearing-cli, MCP, Lock) reads the ticket as soon as it is ready.

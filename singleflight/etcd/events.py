@@ -28,7 +28,7 @@ from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.ending import wait_guards_of
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import margin_of, owner_of, parse, ticket_id_of, value
+from singleflight.etcd.records import margin_of, parse, ticket_id_of, value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -169,7 +169,7 @@ def mark_superseded(mutex: Mutex, holder: Ticket, by: str | None, kv: dict[str, 
     if not holder.live:
         return False
     holder.superseded_by = by
-    body = value(holder, kv["lease"], margin=margin_of(kv["value"]) or None, owner=owner_of(kv["value"]))
+    body = value(holder, kv["lease"], margin=margin_of(kv["value"]) or None)
     try:
         r = mutex.cluster.txn(
             [cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"])], [op_put(kv["key"], body, kv["lease"])], []

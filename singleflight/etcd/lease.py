@@ -73,10 +73,9 @@ class EtcdLease:
         kept_at: float,
         waiting_lease: int = 0,
         keep_lease: int = 0,
-        owner: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.mutex, self.lease, self.ticket, self.tokens = mutex, lease, ticket, tokens
-        self.waiting_lease, self.keep_lease, self.owner = waiting_lease, keep_lease, owner
+        self.waiting_lease, self.keep_lease = waiting_lease, keep_lease
         self.key, self.fence, self.mod = str(kv["key"]), int(kv["create_revision"]), int(kv["mod_revision"])
         self.ttl = ttl_of(ticket.lease_seconds)
         self.margin = margin
@@ -112,7 +111,7 @@ class EtcdLease:
         look = self.ticket.lease_deadline_mono
         self.ticket.lease_deadline_mono = self.deadline
         try:
-            return value(self.ticket, self.lease, margin=self.margin, owner=self.owner)
+            return value(self.ticket, self.lease, margin=self.margin)
         finally:
             self.ticket.lease_deadline_mono = look
 

@@ -19,9 +19,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def value(
-    t: Ticket, lease: int, *, margin: float | None = None, owner: tuple[int | None, int | None] = (None, None)
-) -> bytes:
+def value(t: Ticket, lease: int, *, margin: float | None = None) -> bytes:
     obj = {name: getattr(t, name) for name in ("ticket_id", "request_uuid", "lock_name", "repo", "identity")}
     obj.update(
         state=t.state,
@@ -53,8 +51,8 @@ def value(
         # How early a holder cut off from the cluster gives up: a guard judges the same way.
         margin=margin,
         # pearing-run's wrapper: it keeps the lease while COMMAND lives, even if the holder died.
-        owner_pid=owner[0],
-        owner_start=owner[1],
+        owner_pid=t.owner_pid,
+        owner_start=t.owner_start,
     )
     return jsontext.dumps(obj).encode()
 
@@ -79,16 +77,6 @@ def parse_ticket(raw: bytes) -> Ticket:
     if t is None:
         raise CorruptRecord("etcd", "not a ticket")
     return t
-
-
-def owner_of(raw: bytes) -> tuple[int | None, int | None]:
-    try:
-        obj = jsontext.loads(raw)
-        pid, start = obj.get("owner_pid"), obj.get("owner_start")
-    except (ValueError, AttributeError):
-        return None, None
-    ok = isinstance(pid, int) and isinstance(start, int)
-    return (pid, start) if ok else (None, None)
 
 
 def margin_of(raw: bytes) -> float:

@@ -107,9 +107,7 @@ class EtcdTickets:
                 self.cluster.keepalive(kv["lease"])
             if mine and not was_mine:
                 self._taking_over(t)
-            body = records.value(
-                t, kv["lease"], margin=margin_of(kv["value"]) or None, owner=records.owner_of(kv["value"])
-            )
+            body = records.value(t, kv["lease"], margin=margin_of(kv["value"]) or None)
             try:
                 r = self.cluster.txn(
                     [cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], []
@@ -152,7 +150,7 @@ class EtcdTickets:
             return self.read(t.ticket_id) or t
         stored = parse(kv["value"])
         here = t.holder_host == os.uname().nodename
-        if here and not proc.alive(t.holder_pid, t.holder_start) and not proc.alive(*records.owner_of(kv["value"])):
+        if here and t.orphaned():
             # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
             # while COMMAND lives: nobody else will let go of the key.
             end_ticket(self.mutex, t, kv, state, reason)
@@ -173,14 +171,6 @@ class EtcdTickets:
                 watch.wait(time.monotonic() + within)
         finally:
             watch.close()
-
-    def orphaned(self, t: Ticket) -> bool:
-        """On this host, its holder and the wrapper that keeps its lease while COMMAND lives are
-        both dead: nobody will let go of its key."""
-        if t.holder_host != os.uname().nodename or proc.alive(t.holder_pid, t.holder_start):
-            return False
-        kv = self.mutex.find(t.ticket_id)
-        return kv is None or not proc.alive(*records.owner_of(kv["value"]))
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         kv = self.mutex.find(ticket_id)

@@ -52,7 +52,11 @@ class LocalLock:
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def enter(self, ticket: Ticket) -> LocalPlace:
+    def enter(self, ticket: Ticket) -> tuple[FlockGrip | None, LocalPlace]:
+        place = self._arrive(ticket)
+        return place.grip, place
+
+    def _arrive(self, ticket: Ticket) -> LocalPlace:
         if ticket.slots > 1 or slots.ever_slotted(self.store):
             # A wrong --slots is 64 even when the lock is busy and the run would not wait. (Not
             # the last word: the join and the take check again, under the mutex.)
@@ -210,9 +214,6 @@ class LocalLock:
             sig = queue.WAITER_POKE if t.state == WAITING else signal.SIGUSR1
             proc.poke_and_wait(t.holder_pid, t.holder_start, sig, within)
         return ended
-
-    def orphaned(self, t: Ticket) -> bool:
-        return not proc.alive(t.holder_pid, t.holder_start)  # the kernel has freed its flock
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         store = self.store

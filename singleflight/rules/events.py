@@ -53,7 +53,7 @@ def stands(lk: LockOps, by: str) -> bool:
     the lock dir publishes an entry's deadline a moment after the entry, and a newcomer caught
     between its wait and its withdrawal is still waiting: it then keeps its place, ``withdraw``.)"""
     t = lk.read(by)
-    return t is not None and t.state == WAITING and not lk.orphaned(t)
+    return t is not None and t.state == WAITING and not t.orphaned()
 
 
 def target(lk: LockOps, ticket: Ticket) -> Asked | None:
@@ -94,7 +94,7 @@ def _mark(lk: LockOps, holder: Ticket, by: str | None) -> bool:
 def _askable(lk: LockOps, h: Ticket, ticket: Ticket) -> Asked | None:
     """Who may be asked: a holder that opted in, is not ours, and is alive (a dead one lets go by
     itself). Never one that did not opt in."""
-    if not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id or lk.orphaned(h):
+    if not h.live or not h.cancel_in_progress or h.ticket_id == ticket.ticket_id or h.orphaned():
         return None
     return Asked(h.ticket_id, h.kill_grace if h.kill_grace is not None else DEFAULT_KILL_GRACE)
 
@@ -128,7 +128,7 @@ def withdraw(lk: LockOps, ticket: Ticket, asked: Asked) -> float:
         if h.superseded_by != ticket.ticket_id:
             return 0.0
         if not h.live:  # its token died for us: it is stopping its COMMAND
-            return _handed_on(asked) if lk.orphaned(h) else asked.grace + SLACK
+            return _handed_on(asked) if h.orphaned() else asked.grace + SLACK
         if _mark(lk, h, None):
             return 0.0
     return 0.0

@@ -77,7 +77,7 @@ def heartbeat(lk: LockOps, ticket_id: str, seconds: float) -> Ticket:
     was: list[float | None] = [None]
 
     def extend(t: Ticket) -> bool:
-        refused = t.refusal(gone=t.live and lk.orphaned(t))
+        refused = t.refusal(gone=t.live and t.orphaned())
         if refused is not None:
             raise NotHeld(t.ticket_id, refused)
         was[0] = t.lease_expires_at
@@ -133,7 +133,7 @@ def end_orphan(backend: Backend, lk: LockOps, t: Ticket) -> Ticket:
 
 def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
     """The ticket object of SPEC.md, as its owner sees it."""
-    if t.state == HELD and lk.orphaned(t):
+    if t.state == HELD and t.orphaned():
         # Never report a lock held whose holder is gone: nobody keeps it any more.
         t = end_orphan(backend, lk, t)
     position = lk.line().position(t.ticket_id) if t.state == WAITING else None
