@@ -132,10 +132,7 @@ class Lease(Protocol):
 
 
 class LockOps(Protocol):
-    """One (scope, lock) on a backend."""
-
-    repo: str
-    lock: str
+    """One (scope, lock) on a backend (its caller knows which)."""
 
     def close(self) -> None: ...
 

@@ -103,7 +103,7 @@ class Holder:
 
     def __init__(self, backend: Backend, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
         self.backend, self.lk, self.lease, self.cfg, self.chan = backend, lk, lease, cfg, chan
-        self.tokens = TokenFiles.at(backend.lock_dir, lk.repo, lk.lock)
+        self.tokens = TokenFiles.at(backend.lock_dir, lease.ticket.repo, lease.ticket.lock_name)
         self.tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
         self._first_lease = False  # renew once, as COMMAND starts (manual heartbeat)
@@ -129,7 +129,7 @@ class Holder:
 
     def _serve(self) -> NoReturn:
         if self.cfg.request_uuid:
-            prepare_end(self.backend, self.lk, self.lease.ticket, self.cfg.dedupe_window)
+            prepare_end(self.backend, self.lease.ticket, self.cfg.dedupe_window)
         started = time.monotonic()
         max_deadline = started + self.cfg.max_runtime if self.cfg.max_runtime else None
         renew_every = max(self.lease.ticket.lease_seconds / 3.0, 0.05)
@@ -306,7 +306,7 @@ class Holder:
         failed: PearingError | None = None
         try:
             window = self.cfg.dedupe_window if self.cfg.request_uuid else None
-            record_end(self.backend, self.lk, self.lease.ticket, status, window=window, success=self.cfg.record_success)
+            record_end(self.backend, self.lease.ticket, status, window=window, success=self.cfg.record_success)
         except PearingError as exc:
             failed = exc
         reason = EndReason.COMMAND_ENDED.text() if status is None else EndReason.COMMAND_EXITED.text(status)

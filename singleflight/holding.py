@@ -209,7 +209,7 @@ class HeldRun:
         tid, o = self.ticket.ticket_id, self.o
         try:
             window = o.dedupe_window if o.request_uuid else None
-            record_end(self.backend, self.lk, self.ticket, status, window=window, success=o.min_interval is not None)
+            record_end(self.backend, self.ticket, status, window=window, success=o.min_interval is not None)
             self.lk.end(tid, RELEASED, EndReason.COMMAND_EXITED.text(status))
             self._remove_token(tid)
         except PearingError as exc:

@@ -134,8 +134,8 @@ def acquire(
         mine = Ticket(
             ticket_id=new_uuid4(),
             request_uuid=request_uuid,
-            lock_name=lk.lock,
-            repo=lk.repo,
+            lock_name=lock,
+            repo=repo,
             identity=identity,
             state=WAITING,
             lease_seconds=lease_seconds,

@@ -87,7 +87,7 @@ class Runner:
             return 0
         claimed = False
         if o.request_uuid:
-            verdict = requests.claim(self.backend, self.lk, self.ticket)
+            verdict = requests.claim(self.backend, self.ticket)
             if verdict == CLAIM_DONE:
                 self.log.event("deduplicated", lock=o.job, request=o.request_uuid)
                 self._metric("deduplicated")
@@ -106,15 +106,15 @@ class Runner:
                 grip.close()
                 grip = None
                 if claimed:
-                    requests.unclaim(self.backend, self.lk, self.ticket)
+                    requests.unclaim(self.backend, self.ticket)
                 return 0
         except BaseException:
             if claimed:
-                requests.unclaim(self.backend, self.lk, self.ticket)
+                requests.unclaim(self.backend, self.ticket)
             raise
         if grip is None:
             if claimed:
-                requests.unclaim(self.backend, self.lk, self.ticket)
+                requests.unclaim(self.backend, self.ticket)
             self._metric("busy")
             return o.busy_exit_code
         return self._hold_and_run(grip)
@@ -123,7 +123,7 @@ class Runner:
         """--min-interval: a run of this job that succeeded started less than that long ago."""
         if self.o.min_interval is None:
             return False
-        last = requests.last_success(self.backend, self.lk)
+        last = requests.last_success(self.backend, self.ticket.repo, self.ticket.lock_name)
         if last is None or time.time() - last >= self.o.min_interval:
             return False
         from singleflight.core.record import rfc3339

@@ -422,9 +422,9 @@ def test_store_success_record_carries_the_fence(tmp_path: Path) -> None:
         lk = b.lock("default", "J")
         t = ended_ticket(7)
         t.acquired_at = 123.0
-        requests.record_end(b, lk, t, 0, window=None, success=True)
+        requests.record_end(b, t, 0, window=None, success=True)
         assert json.loads(lk.store.dir.read("success") or b"")["fence"] == 7
-        assert requests.last_success(b, lk) == 123.0
+        assert requests.last_success(b, t.repo, t.lock_name) == 123.0
         lk.store.dir.unlink("fence")
         assert lk.store.bump_fence() == 8
         lk.close()

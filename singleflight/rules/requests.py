@@ -21,17 +21,15 @@ from singleflight.core.request import ANY_VERSION, SUCCESS_RECORD, Key, RequestR
 if TYPE_CHECKING:
     from typing import Any
 
-    from singleflight.backend import Backend, LockOps
+    from singleflight.backend import Backend
     from singleflight.core.ticket import Ticket
 
 
-def _key(lk: LockOps, name: str) -> Key:
-    return lock_record(lk.repo, lk.lock, name)
+def _key(t: Ticket, name: str) -> Key:
+    return lock_record(t.repo, t.lock_name, name)
 
 
-def record_end(
-    backend: Backend, lk: LockOps, ticket: Ticket, status: int | None, *, window: float | None, success: bool
-) -> None:
+def record_end(backend: Backend, ticket: Ticket, status: int | None, *, window: float | None, success: bool) -> None:
     """The end-of-run record: the request's outcome (``window``: its dedupe window, None when the
     run named no request) and, if ``success`` is asked for and COMMAND exited 0, its start.
 
@@ -41,24 +39,24 @@ def record_end(
     if window is not None:
         rec = RequestRecord.succeeded(ticket, window) if status == 0 else RequestRecord.finished(ticket, status, window)
         keep = max(1.0, (rec.expires_at or 0.0) - time.time())
-        backend.write_record(_key(lk, request_record(ticket.request_uuid)), rec.to_json(), ANY_VERSION, keep=keep)
+        backend.write_record(_key(ticket, request_record(ticket.request_uuid)), rec.to_json(), ANY_VERSION, keep=keep)
     if success and status == 0:
         body = {"started_at": ticket.acquired_at or time.time(), "ticket_id": ticket.ticket_id, "fence": ticket.fence}
-        backend.write_record(_key(lk, SUCCESS_RECORD), jsontext.dumps(body).encode(), ANY_VERSION)
+        backend.write_record(_key(ticket, SUCCESS_RECORD), jsontext.dumps(body).encode(), ANY_VERSION)
 
 
-def prepare_end(backend: Backend, lk: LockOps, ticket: Ticket, window: float) -> None:
+def prepare_end(backend: Backend, ticket: Ticket, window: float) -> None:
     """Before COMMAND starts: the success record its end would write, prepared now, while there is
     room, so a disk that filled up meanwhile cannot make a finished request look unfinished and
     run it twice. (So a success's dedupe window counts from the run's start.)"""
     backend.prepare_record(
-        _key(lk, request_record(ticket.request_uuid)), RequestRecord.succeeded(ticket, window).to_json()
+        _key(ticket, request_record(ticket.request_uuid)), RequestRecord.succeeded(ticket, window).to_json()
     )
 
 
-def last_success(backend: Backend, lk: LockOps) -> float | None:
+def last_success(backend: Backend, repo: str, lock: str) -> float | None:
     """When the last run of this (scope, lock) that succeeded started (epoch seconds)."""
-    body, _, where = backend.read_record(_key(lk, SUCCESS_RECORD))
+    body, _, where = backend.read_record(lock_record(repo, lock, SUCCESS_RECORD))
     if body is None:
         return None
     try:
@@ -67,9 +65,9 @@ def last_success(backend: Backend, lk: LockOps) -> float | None:
         raise CorruptRecord(where, f"not a success record: {exc}") from None
 
 
-def read_request(backend: Backend, lk: LockOps, request_uuid: str) -> tuple[RequestRecord | None, Any]:
-    """The request's record (None: none, or a claim whose run is gone), and its version."""
-    body, seen, where = backend.read_record(_key(lk, request_record(request_uuid)))
+def read_request(backend: Backend, ticket: Ticket) -> tuple[RequestRecord | None, Any]:
+    """The record of ``ticket``'s request (None: none, or a claim whose run is gone), and its version."""
+    body, seen, where = backend.read_record(_key(ticket, request_record(ticket.request_uuid)))
     if body is None:
         return None, seen
     try:
@@ -82,14 +80,14 @@ def read_request(backend: Backend, lk: LockOps, request_uuid: str) -> tuple[Requ
 _CLAIM_TRIES = 50
 
 
-def claim(backend: Backend, lk: LockOps, ticket: Ticket) -> str:
+def claim(backend: Backend, ticket: Ticket) -> str:
     """Before a run of ``ticket.request_uuid``: CLAIM_RUN (the request is ours now), CLAIM_DONE
     (it succeeded within its dedupe window: a replay does no work twice) or CLAIM_BUSY (another
     run of it holds or waits). The claim lives as long as the run (``unclaim`` puts back what
     was there if the run does not happen after all)."""
     uuid = ticket.request_uuid
     for _ in range(_CLAIM_TRIES):
-        rec, seen = read_request(backend, lk, uuid)
+        rec, seen = read_request(backend, ticket)
         now = time.time()
         if rec is not None:
             if rec.active and rec.ticket_id == ticket.ticket_id:
@@ -108,20 +106,20 @@ def claim(backend: Backend, lk: LockOps, ticket: Ticket) -> str:
             created_at=now,
             previous=rec,
         )
-        if backend.write_record(_key(lk, request_record(uuid)), mine.to_json(), seen, run=ticket):
+        if backend.write_record(_key(ticket, request_record(uuid)), mine.to_json(), seen, run=ticket):
             return CLAIM_RUN
         # Another run of the request changed the record between our read and write: look again.
     return CLAIM_BUSY
 
 
-def unclaim(backend: Backend, lk: LockOps, ticket: Ticket) -> None:
+def unclaim(backend: Backend, ticket: Ticket) -> None:
     """The run did not happen after all (busy, timed out, deduplicated while waiting): the request
     record goes back to what it was before our claim. Best effort: an unreachable store keeps the
     claim, which lapses with the run (etcd: its lease) or reads as dead (the lock dir)."""
     with contextlib.suppress(BackendUnavailable):
-        rec, seen = read_request(backend, lk, ticket.request_uuid)
+        rec, seen = read_request(backend, ticket)
         if rec is not None and rec.ticket_id == ticket.ticket_id:
             previous = rec.previous
             body = previous.to_json() if previous is not None else None
             keep = None if previous is None else max(1.0, (previous.expires_at or 0.0) - time.time())
-            backend.write_record(_key(lk, request_record(ticket.request_uuid)), body, seen, keep=keep)
+            backend.write_record(_key(ticket, request_record(ticket.request_uuid)), body, seen, keep=keep)

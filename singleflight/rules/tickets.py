@@ -30,15 +30,15 @@ if TYPE_CHECKING:
 RELEASE_WAIT = 10.0
 
 
-def _tokens(backend: Backend, lk: LockOps) -> TokenFiles:
+def _tokens(backend: Backend, repo: str, lock: str) -> TokenFiles:
     """This host's token files of the lock: in the lock dir on every backend, whoever stores the ticket."""
-    return TokenFiles.at(backend.lock_dir, lk.repo, lk.lock)
+    return TokenFiles.at(backend.lock_dir, repo, lock)
 
 
-def _remove_token(backend: Backend, lk: LockOps, ticket_id: str) -> None:
-    tokens = _tokens(backend, lk)
+def _remove_token(backend: Backend, t: Ticket) -> None:
+    tokens = _tokens(backend, t.repo, t.lock_name)
     try:
-        tokens.remove(ticket_id)
+        tokens.remove(t.ticket_id)
     finally:
         tokens.close()
 
@@ -58,7 +58,7 @@ def release(backend: Backend, lk: LockOps, ticket_id: str) -> Ticket:
     ended = lk.stop(t, final, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
     if ended is None:  # it ended on its own meanwhile
         return _released_already(lk.read(ticket_id) or t)
-    _remove_token(backend, lk, ticket_id)
+    _remove_token(backend, t)
     return lk.read(ticket_id) or ended
 
 
@@ -127,7 +127,7 @@ def end_orphan(backend: Backend, lk: LockOps, t: Ticket) -> Ticket:
     """End a ticket whose process died without a word: nobody holds or waits for it any more."""
     final = EXPIRED if t.state == HELD else CANCELLED
     ended = lk.end(t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
-    _remove_token(backend, lk, t.ticket_id)
+    _remove_token(backend, t)
     return lk.read(t.ticket_id) or ended or t
 
 
@@ -137,7 +137,7 @@ def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
         # Never report a lock held whose holder is gone: nobody keeps it any more.
         t = end_orphan(backend, lk, t)
     position = lk.line().position(t.ticket_id) if t.state == WAITING else None
-    tokens = _tokens(backend, lk)
+    tokens = _tokens(backend, t.repo, t.lock_name)
     try:
         return _public(backend, tokens, t, position)
     finally:
@@ -151,17 +151,17 @@ def _public(backend: Backend, tokens: TokenFiles, t: Ticket, position: int | Non
     return t.public(activity=records.read_activity(backend, t.identity), queue_position=position, token_file=token_file)
 
 
-def status(backend: Backend, lk: LockOps) -> dict[str, Any]:
-    """Who holds the lock, who waits in what order, and the lock's fence."""
+def status(backend: Backend, lk: LockOps, repo: str, lock: str) -> dict[str, Any]:
+    """Who holds the lock (``lk``: ``repo``'s ``lock``), who waits in what order, and its fence."""
     line = lk.line()
-    tokens = _tokens(backend, lk)
+    tokens = _tokens(backend, repo, lock)
     try:
-        return _status(backend, lk, line, tokens)
+        return {"lock_name": lock, "repo": repo, **_status(backend, line, tokens)}
     finally:
         tokens.close()
 
 
-def _status(backend: Backend, lk: LockOps, line: Line, tokens: TokenFiles) -> dict[str, Any]:
+def _status(backend: Backend, line: Line, tokens: TokenFiles) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     now = time.monotonic()
     for i, e in enumerate(line.entries):
@@ -177,8 +177,6 @@ def _status(backend: Backend, lk: LockOps, line: Line, tokens: TokenFiles) -> di
             entries[-1]["lease_left"] = None if left is None else round(max(0.0, left), 3)
     holders = entries[: line.holders]
     return {
-        "lock_name": lk.lock,
-        "repo": lk.repo,
         "state": "held" if line.held else "free",
         "fence": line.fence,
         # The holder with the lowest fence (the only one without --slots); every one in ``holders``.
@@ -202,7 +200,7 @@ def statuses(backend: Backend, repo: str | None, lock: str | None, *, idle: bool
     for scope, name in wanted:
         lk = backend.lock(scope, name)
         try:
-            found = status(backend, lk)
+            found = status(backend, lk, scope, name)
         finally:
             lk.close()  # its token files' directories: a server lives for days
         if idle or lock is not None or found["holder"] is not None or found["waiters"]:
