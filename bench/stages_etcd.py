@@ -9,14 +9,17 @@ release is stamped too. There is no flock on etcd: each stage ends at the call t
 - pearing-run: the old wrapper reaping COMMAND (wait4) and telling its holder (``exited``, a
   pipe write), the holder's read of it and its release txn (``sendto`` of ``POST /v3/kv/txn``);
   the next wrapper's watch returning (``recvfrom``), its one read (``sendto``, the answer's
-  ``recvfrom``), the grip handed to its standby holder (``go``), the holder's recvmsg of it, its
-  token file (``renameat``) and ``ready``, the wrapper's read of that, the spawn and the exec;
+  ``recvfrom``), the grip handed to its standby holder (``go``), the holder's recvmsg of it and
+  its ``ready``, the wrapper's ``spawning`` (it read ``ready``), the spawn and the exec;
 - ``etcdctl lock`` (one Go process, gRPC): COMMAND reaped, the unlock's HTTP/2 HEADERS frame
   written, the next one's watch DATA frame read, its Get written and answered, the spawn
   (clone, CLONE_VFORK) and the exec.
 
 Traced with ``-xx`` (strings as bytes in hex) so the messages and the HTTP/2 frames can be told
-apart; ``--seccomp-bpf`` with this short call list keeps the processes at nearly full speed.
+apart; ``--seccomp-bpf`` with this short call list keeps the processes at nearly full speed
+between the calls. Each call traced still stops its process until strace has written it: a
+fraction of a ms on a quiet machine, more on a busy one, so a stage with more calls in it is
+inflated more (pearing-run's more than etcdctl's). Compare within one run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from bench import trace
 from bench.chain import ETCD, ETCDCTL, endpoints, env, etcd_member, etcd_queued, mutex_prefix, wait_for
 
 RUN = str(Path(sys.executable).parent / "pearing-run")
-CALLS = "execve,clone,clone3,vfork,exit_group,wait4,sendto,recvfrom,sendmsg,recvmsg,read,write,renameat,renameat2"
+# Python reads a socket with recvfrom or recvmsg, a pipe or a file with read; Go reads all with
+# read. The next pearing-run is not stopped at its reads: its holder's take reads /proc (each
+# stop costs a round of scheduling through strace on a busy machine); the old holder's read of
+# ``exited`` is a stage of its own.
+CALLS = "execve,clone,clone3,vfork,exit_group,wait4,sendto,recvfrom,sendmsg,recvmsg,write"
+READS = CALLS + ",read"
 OPTS = ("-xx", "-s", "160")
 # After the next run is in line: its watch is opened and its standby holder forked and blocked
 # in recvmsg a few ms after its key is; what is timed starts at the gate.
@@ -111,17 +119,21 @@ def _said(name: str, word: bytes) -> Any:
     return lambda c: c.name == name and c.data.startswith(word)
 
 
-def _hand_over(tmp: Path, e: dict[str, str], holder: list[str], waiter: list[str], queued: Any) -> float:
-    """When the gate opened (ms): the first run holds until then, the next one waits in line
-    meanwhile; their traces are left in ``tmp`` (first.trace, next.trace)."""
+def _hand_over(
+    tmp: Path, e: dict[str, str], runs: tuple[list[str], list[str]], queued: Any, calls: tuple[str, str]
+) -> float:
+    """When the gate opened (ms): the first of ``runs`` holds until then, the next one waits in
+    line meanwhile; their traces are left in ``tmp`` (first.trace, next.trace), of the ``calls``
+    given for each."""
+    holder, waiter = runs
     gate, ready = tmp / "gate", tmp / "ready"
     os.mkfifo(gate)
     hold = f"touch {shlex.quote(str(ready))}; read x < {shlex.quote(str(gate))}; exit 0"
-    first = trace.strace([*holder, "sh", "-c", hold], tmp / "first.trace", e, CALLS, *OPTS)
+    first = trace.strace([*holder, "sh", "-c", hold], tmp / "first.trace", e, calls[0], *OPTS)
     nxt = None
     try:
         wait_for(ready.exists, 20, "the first run's COMMAND")
-        nxt = trace.strace([*waiter, "/bin/true"], tmp / "next.trace", e, CALLS, *OPTS)
+        nxt = trace.strace([*waiter, "/bin/true"], tmp / "next.trace", e, calls[1], *OPTS)
         wait_for(queued, 20, "the next run in line")
         time.sleep(SETTLE)
         opened = time.time() * 1000
@@ -146,9 +158,9 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
     opened = _hand_over(
         tmp,
         e,
-        [RUN, "--job", job, "--"],
-        [RUN, "--job", job, "--wait-seconds", "30", "--"],
+        ([RUN, "--job", job, "--"], [RUN, "--job", job, "--wait-seconds", "30", "--"]),
         lambda: etcd_queued(url, job) >= 2,
+        (READS, CALLS),
     )
     old, new = calls(tmp / "first.trace"), calls(tmp / "next.trace")
     ended = _at(old, "old COMMAND's exit", lambda c: c.name == "exit_group", opened)
@@ -164,10 +176,9 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
         new, "`go` to the holder", lambda c: c.name in ("write", "sendmsg") and c.data.startswith(b"go "), answered.ms
     )
     got = _at(new, "holder's recvmsg of `go`", _said("recvmsg", b"go "), go.ms)
-    token = _at(new, "token file", lambda c: c.name.startswith("renameat") and c.pid == got.pid, got.ms)
-    readied = _at(new, "`ready`", _said("write", b"ready"), token.ms)
-    read = _at(new, "wrapper's read of `ready`", _said("read", b"ready"), readied.ms)
-    spawned = _at(new, "spawn", _spawn, read.ms)
+    readied = _at(new, "`ready`", _said("write", b"ready"), got.ms)
+    spawning = _at(new, "`spawning` to the holder", _said("write", b"spawning"), readied.ms)
+    spawned = _at(new, "spawn", _spawn, spawning.ms)
     execd = _at(new, "COMMAND's exec", _exec_true, spawned.ms)
     stamps = [
         ("gate opened to the old COMMAND's exit", ended),
@@ -180,9 +191,8 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
         ("the read's round trip", answered),
         ("it writes `go` (the grip) to its standby holder", go),
         ("the holder's recvmsg returns (a wake-up)", got),
-        ("the holder takes the lease: its token file written", token),
-        ("the holder writes `ready`", readied),
-        ("the wrapper reads `ready` (a wake-up)", read),
+        ("the holder takes the lease (ticket, token hash, token file), writes `ready`", readied),
+        ("the wrapper reads it (a wake-up), makes COMMAND's environment, writes `spawning`", spawning),
         ("it spawns COMMAND (clone3)", spawned),
         ("COMMAND's exec", execd),
     ]
@@ -195,7 +205,7 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
 def etcdctl(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float]:
     e = dict(e, ETCDCTL_API="3")
     lock = [str(ETCDCTL), "--endpoints", endpoints(url), "lock", mutex_prefix(url, job), "--"]
-    opened = _hand_over(tmp, e, lock, lock, lambda: etcd_queued(url, job) >= 2)
+    opened = _hand_over(tmp, e, (lock, lock), lambda: etcd_queued(url, job) >= 2, (READS, READS))
     old, new = calls(tmp / "first.trace"), calls(tmp / "next.trace")
 
     def frame(name: str, kind: int) -> Any:

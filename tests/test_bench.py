@@ -75,9 +75,8 @@ PEARING_STAGES = [
     "the read's round trip",
     "it writes `go` (the grip) to its standby holder",
     "the holder's recvmsg returns (a wake-up)",
-    "the holder takes the lease: its token file written",
-    "the holder writes `ready`",
-    "the wrapper reads `ready` (a wake-up)",
+    "the holder takes the lease (ticket, token hash, token file), writes `ready`",
+    "the wrapper reads it (a wake-up), makes COMMAND's environment, writes `spawning`",
     "it spawns COMMAND (clone3)",
     "COMMAND's exec",
 ]
