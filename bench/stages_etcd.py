@@ -49,6 +49,9 @@ OPTS = ("-xx", "-s", "160")
 # in recvmsg a few ms after its key is; what is timed starts at the gate.
 SETTLE = 0.3
 PEARING, ETCDCTL_LOCK = "pearing-run", "etcdctl lock"
+# A count, not ms: HTTP requests (pearing-run), HTTP/2 HEADERS frames written, each a new call
+# (etcdctl lock).
+REQUESTS = "(aside) requests to etcd, gate opened to COMMAND's exec (a count)"
 # The phases both have, in the order of a hand-over; each ends at the stamp named.
 PHASES = (
     ("gate opened to the old COMMAND's exit", "exit"),
@@ -198,6 +201,7 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
     ]
     out = _stages(opened, stamps)
     out["(aside) the old holder's release txn, round trip"] = acked.ms - sent.ms
+    out[REQUESTS] = _count(old + new, lambda c: c.name == "sendto" and c.data.startswith(b"POST /v3/"), opened, execd)
     marks = {"exit": ended, "release sent": sent, "woken": woken, "read sent": asked, "read answered": answered}
     return out | _phases(opened, marks | {"spawned": spawned, "exec": execd})
 
@@ -230,7 +234,15 @@ def etcdctl(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
         ("COMMAND's exec", execd),
     ]
     marks = {"exit": ended, "release sent": sent, "woken": woken, "read sent": asked, "read answered": answered}
-    return _stages(opened, stamps) | _phases(opened, marks | {"spawned": spawned, "exec": execd})
+    out = _stages(opened, stamps)
+    out[REQUESTS] = _count(old + new, frame("write", _HEADERS), opened, execd)
+    return out | _phases(opened, marks | {"spawned": spawned, "exec": execd})
+
+
+def _count(cs: list[Call], pred: Any, opened: float, execd: Call) -> float:
+    """How many calls of both runs between the gate's opening and the next COMMAND's exec are
+    requests to etcd (each one round trip)."""
+    return float(sum(1 for c in cs if opened <= c.ms <= execd.ms and pred(c)))
 
 
 def _stages(opened: float, stamps: list[tuple[str, Call]]) -> dict[str, float]:
@@ -282,7 +294,8 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"etcd hand-over (one member, loopback; strace, medians of {result['runs']} runs, ms):"]
     for name in (PEARING, ETCDCTL_LOCK):
         lines.append(f"  {name}:")
-        lines += [f"    {ms:7.1f}  {stage}" for stage, ms in result[name].items()]
+        lines += [f"    {ms:7.1f}  {stage}" for stage, ms in result[name].items() if stage != REQUESTS]
+        lines.append(f"    {result[name][REQUESTS]:7.0f}  {REQUESTS.removeprefix('(aside) ')}")
     lines.append(f"  side by side:          {PEARING:>12} {ETCDCTL_LOCK:>13} {'extra':>7}")
     for phase, v in result["side by side"].items():
         lines.append(f"    {v[PEARING]:7.1f} {v[ETCDCTL_LOCK]:7.1f} {v['extra']:+7.1f}  {phase}")

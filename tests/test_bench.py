@@ -123,3 +123,6 @@ def test_stages_etcd_hand_over_side_by_side_with_etcdctl() -> None:
     for v in result["side by side"].values():
         assert abs(v["extra"] - (v["pearing-run"] - v["etcdctl lock"])) < 1e-9, v
     assert result["pearing-run"]["(aside) the old holder's release txn, round trip"] > 0
+    # One write (the release) and one read (the waiter's look) between the two COMMANDs, each.
+    for tool in ("pearing-run", "etcdctl lock"):
+        assert result[tool]["(aside) requests to etcd, gate opened to COMMAND's exec (a count)"] >= 2, result[tool]
