@@ -2,8 +2,10 @@
 kernel's side: ``strace --seccomp-bpf`` stops only at the few system calls that mark a stage
 (exec, flock, fork, fsync, spawn, exit), so the processes run at nearly full speed between them.
 
-``python -m bench.stages [--runs N]``: medians over N runs, in ms from the stage before. Needs
-strace 5.3 or later; the main benchmark (``python -m bench``) includes it when strace is there.
+``python -m bench.stages [--runs N] [--only lockdir|etcd] [--json]``: medians over N runs, in ms
+from the stage before; with etcd and etcdctl installed, also an etcd hand-over of pearing-run and
+of ``etcdctl lock`` side by side (``stages_etcd``). Needs strace 5.3 or later; the main benchmark
+(``python -m bench``) includes it when strace is there.
 """
 
 from __future__ import annotations
