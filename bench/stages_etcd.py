@@ -296,7 +296,7 @@ def table(result: dict[str, Any]) -> list[str]:
         lines.append(f"  {name}:")
         lines += [f"    {ms:7.1f}  {stage}" for stage, ms in result[name].items() if stage != REQUESTS]
         lines.append(f"    {result[name][REQUESTS]:7.0f}  {REQUESTS.removeprefix('(aside) ')}")
-    lines.append(f"  side by side:          {PEARING:>12} {ETCDCTL_LOCK:>13} {'extra':>7}")
+    lines.append(f"  side by side:\n    {PEARING:>11} {ETCDCTL_LOCK:>12} {'extra':>7}  phase")
     for phase, v in result["side by side"].items():
-        lines.append(f"    {v[PEARING]:7.1f} {v[ETCDCTL_LOCK]:7.1f} {v['extra']:+7.1f}  {phase}")
+        lines.append(f"    {v[PEARING]:11.1f} {v[ETCDCTL_LOCK]:12.1f} {v['extra']:+7.1f}  {phase}")
     return lines
