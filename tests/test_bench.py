@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,3 +61,68 @@ def _check_growth(g: dict[str, object], stdout: str) -> None:
     assert st["status"]["listed_held"] == [st["held"]] * len(st["status"]["sizes"]), st
     assert st["status --idle"]["listed"] == st["status --idle"]["sizes"], st
     assert "== growth:" in stdout
+
+
+# Every stage of both traces, in order: each ends at the call that marks it in the trace.
+PEARING_STAGES = [
+    "gate opened to the old COMMAND's exit",
+    "old wrapper reaps it (pidfd, wait4)",
+    "old wrapper writes `exited` to its holder",
+    "old holder reads `exited` (a wake-up)",
+    "old holder sends its release txn (end record, key deleted)",
+    "next wrapper's watch returns (etcd: fsync, apply, notify; a wake-up)",
+    "it sends its read (first in line? ticket live? guards?)",
+    "the read's round trip",
+    "it writes `go` (the grip) to its standby holder",
+    "the holder's recvmsg returns (a wake-up)",
+    "the holder takes the lease (ticket, token hash, token file), writes `ready`",
+    "the wrapper reads it (a wake-up), makes COMMAND's environment, writes `spawning`",
+    "it spawns COMMAND (clone3)",
+    "COMMAND's exec",
+]
+ETCDCTL_STAGES = [
+    "gate opened to the old COMMAND's exit",
+    "old etcdctl reaps it (wait4)",
+    "old etcdctl sends its unlock (Delete)",
+    "next etcdctl's watch returns (etcd: fsync, apply, notify; a wake-up)",
+    "it sends its Get (anyone left ahead?)",
+    "the Get's round trip",
+    "it spawns COMMAND (clone, CLONE_VFORK)",
+    "COMMAND's exec",
+]
+TOTAL = "total: gate opened to next COMMAND's exec"
+
+
+@pytest.mark.skipif(
+    any(shutil.which(t) is None for t in ("strace", "etcd", "etcdctl")) and os.environ.get("CI") != "true",
+    reason="needs strace, etcd and etcdctl",
+)
+def test_stages_etcd_hand_over_side_by_side_with_etcdctl() -> None:
+    """One traced etcd hand-over of each (one run, no warm-up: a few seconds): every stage found,
+    none negative, and within one run the stages add up to the total, as the phases both share."""
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.stages", "--runs", "1", "--only", "etcd", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)["etcd"]
+    assert result["runs"] == 1
+    for tool, names in (("pearing-run", PEARING_STAGES), ("etcdctl lock", ETCDCTL_STAGES)):
+        stages = result[tool]
+        assert [k for k in stages if k != TOTAL and not k.startswith("(aside)")] == names, stages
+        assert all(ms >= 0 for ms in stages.values()), stages
+        assert 0 < stages[TOTAL] < 10_000, stages
+        assert abs(sum(stages[k] for k in names) - stages[TOTAL]) < 0.01, stages
+        phases = [v[tool] for v in result["side by side"].values()]
+        assert all(ms >= 0 for ms in phases) and abs(sum(phases) - stages[TOTAL]) < 0.01, result["side by side"]
+    assert len(result["side by side"]) == 7
+    for v in result["side by side"].values():
+        assert abs(v["extra"] - (v["pearing-run"] - v["etcdctl lock"])) < 1e-9, v
+    assert result["pearing-run"]["(aside) the old holder's release txn, round trip"] > 0
+    # One write (the release) and one read (the waiter's look) between the two COMMANDs, each.
+    for tool in ("pearing-run", "etcdctl lock"):
+        assert result[tool]["(aside) requests to etcd, gate opened to COMMAND's exec (a count)"] >= 2, result[tool]
