@@ -218,6 +218,7 @@ def many_locks(tmp: Path, count: int) -> dict[str, Any]:
     from singleflight.core.record import new_uuid4
     from singleflight.core.request import RequestRecord
     from singleflight.core.ticket import Ticket
+    from singleflight.local.lease import prune_requests
     from singleflight.local.store import LockDir
 
     lock_dir = tmp / "many"
@@ -252,7 +253,7 @@ def many_locks(tmp: Path, count: int) -> dict[str, Any]:
             t.fence = 1
             st.write_request(t.request_uuid, RequestRecord.finished(t, 0, 86400))
         after = _du_bytes(lock_dir / "locks/default/@dedupe/requests")
-        pruned_now = st.prune_requests(time.time() + 86401)
+        pruned_now = prune_requests(st, time.time() + 86401)
     return {
         "locks": count,
         "created_in_s": made,

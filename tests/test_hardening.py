@@ -32,6 +32,7 @@ from helpers import (
     q,
     ticket_records,
     wait_for,
+    wait_queued,
 )
 
 from singleflight.core.const import ExitCode
@@ -589,3 +590,35 @@ def test_a_stop_signal_that_lands_before_the_holder_is_ready_ends_the_lease(proc
     # COMMAND (sleep 30) either never started or was stopped: it did not run to its end.
     assert r.elapsed < 20, r
     assert procs.pr_run("--job", "h", "--", "true").returncode == 0
+
+
+def test_a_stop_signal_inside_the_lock_dirs_mutex_waits_until_it_is_let_go(procs: Procs, work: Path, job: str) -> None:
+    """^Z (SIGTSTP) reaching a lock dir acquirer while it holds the lock's record mutex stops it
+    once it has let go: stopped inside, it would hold every acquirer of that lock until continued.
+    The waiter is held inside the mutex by a gate (not a SIGSTOP: continuing a stopped process
+    discards the stop signals pending for it), in a process group of its own in the test's
+    session: the kernel discards a terminal stop signal sent to an orphaned group."""
+    gate = Gate(work)
+    holder = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    inside = work / "inside"
+    env = {**procs.env, "PEARING_FAULT": "pause-in-mutex", "PEARING_FAULT_GATE": str(inside)}
+    argv = [PEARING_RUN, "--job", job, "--wait-seconds", "60", "--", "true"]
+    b = subprocess.Popen(argv, env=env, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, process_group=0)  # fmt: skip
+    procs.popens.append(b)
+    procs.started[b.pid] = time.monotonic()
+    wait_for(lambda: any(work.glob("inside.*")), 15, "the waiter inside the mutex")
+    os.kill(b.pid, signal.SIGTSTP)
+    inside.touch()  # it may go on, and stop once it has let go of the mutex
+    wait_for(lambda: proc_state(b.pid) == "T", 15, "the waiter stopped")
+    try:
+        # Stopped outside the mutex: a newcomer can still get in line behind it.
+        c = procs.pr("--job", job, "--wait-seconds", "60", "--", "true")
+        wait_queued(procs, job, 2, timeout=20)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    gate.open()
+    assert procs.finish(holder).returncode == 0
+    assert procs.finish(b, timeout=60).returncode == 0
+    assert procs.finish(c, timeout=60).returncode == 0

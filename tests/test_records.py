@@ -25,6 +25,7 @@ from singleflight.core.errors import CorruptRecord, NotPermitted
 from singleflight.core.record import new_uuid4
 from singleflight.core.request import RequestRecord
 from singleflight.core.ticket import Ticket
+from singleflight.local import lease
 from singleflight.local.store import LockDir, LockStore
 
 IOERR = int(ExitCode.IOERR)
@@ -407,7 +408,7 @@ def test_store_prune_keeps_the_last_holders_ended_record(store: LockStore) -> No
     for t in (old, last):
         store.write_ticket(t)
     store.write_pointer("holder", last.ticket_id)
-    assert store.prune_ended(time.time() + 7200) == 1
+    assert lease.prune_ended(store, time.time() + 7200) == 1
     assert [p for p in store.sub("ended").listdir()] == [f"{last.ticket_id}.json"]
     store.dir.unlink("fence")
     assert store.bump_fence() == 3

@@ -13,7 +13,12 @@ it daemonises: an agent that a busy machine starts late), pause-before-finish (a
 COMMAND has ended, before it records the end and ends the ticket), pause-agent-ready (an agent that has taken the lock,
 right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
 dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
-pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then).
+pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then),
+pause-in-mutex (a lock dir acquirer joining the line, inside the lock's record mutex).
+
+With ``PEARING_FAULT_GATE=PATH`` a pause point waits for PATH to exist instead of stopping (it
+first creates ``PATH.PID``): the process stays runnable, so a test can send it a stop signal
+inside the window (one sent to a stopped process is discarded when it is continued).
 """
 
 from __future__ import annotations
@@ -31,5 +36,15 @@ def point(name: str) -> None:
 
 def pause(name: str) -> None:
     """Stop here (SIGSTOP) if armed: a test then signals the process inside a narrow window."""
-    if name in _ARMED:
+    if name not in _ARMED:
+        return
+    gate = os.environ.get("PEARING_FAULT_GATE")
+    if not gate:
         os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    import time
+
+    with open(f"{gate}.{os.getpid()}", "w"):
+        pass
+    while not os.path.exists(gate):
+        time.sleep(0.005)

@@ -10,7 +10,15 @@ import time
 from contextlib import contextmanager
 
 from singleflight.core import fault, proc
-from singleflight.core.const import CANCELLED, EXPIRED, HELD, HOUSEKEEPING_EVERY, TYPE_CHECKING, WAITING
+from singleflight.core.const import (
+    CANCELLED,
+    ENDED_TICKET_RETENTION,
+    EXPIRED,
+    HELD,
+    HOUSEKEEPING_EVERY,
+    TYPE_CHECKING,
+    WAITING,
+)
 from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
@@ -75,6 +83,36 @@ def sweep_dead_waiters(store: LockStore) -> int:
     return swept
 
 
+def prune_ended(store: LockStore, now: float, keep: float = ENDED_TICKET_RETENTION) -> int:
+    """Remove ended tickets older than ``keep``, except the last holder's: its fence is
+    what a lost fence file continues from."""
+    d = store.sub("ended")
+    # Every slot's last holder (``holder``, ``holder.N`` with --slots).
+    pointers = [n for n in store.dir.listdir() if n == "holder" or n.startswith("holder.")]
+    last = {f"{t}.json" for t in map(store.read_pointer, pointers) if t is not None}
+    removed = 0
+    for name in d.listdir():
+        if name in last:
+            continue
+        st = d.lstat(name)
+        if st is not None and st.st_mtime < now - keep:
+            removed += d.unlink(name)
+    return removed
+
+
+def prune_requests(store: LockStore, now: float) -> int:
+    """Remove request records that ended and whose dedupe window has passed."""
+    d = store.sub("requests")
+    removed = 0
+    for name in d.listdir():
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        rec = store.read_request(name[:-5])
+        if rec and not rec.active and (rec.expires_at or 0.0) < now:
+            removed += d.unlink(name)
+    return removed
+
+
 def housekeeping(store: LockStore, every: float = HOUSEKEEPING_EVERY) -> bool:
     """Prune ended tickets and old request records, cancel dead waiters.
 
@@ -90,8 +128,8 @@ def housekeeping(store: LockStore, every: float = HOUSEKEEPING_EVERY) -> bool:
         return False
     try:
         store.dir.write_atomic(".housekeeping", b"", durable=False)
-        store.prune_ended(now)
-        store.prune_requests(now)
+        prune_ended(store, now)
+        prune_requests(store, now)
         sweep_dead_waiters(store)
     except Vanished:
         return False  # pruned meanwhile: prune tidied up

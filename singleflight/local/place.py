@@ -82,6 +82,7 @@ class LocalPlace:
         signal.signal(queue.WAITER_POKE, _on_poke)
         self.waiter = queue.Waiter(store, self.ticket.ticket_id)
         with store.mutex():
+            fault.pause("pause-in-mutex")
             older = self._older_latest() if self.ticket.queue_mode == QUEUE_LATEST else []
             slots.check(store, self.ticket)  # before the bound: a wrong --slots is a usage error
             if not older:  # taking an older `latest` waiter's place adds no waiter

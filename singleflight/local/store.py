@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 from contextlib import contextmanager
 
 from singleflight.core import fault, names
-from singleflight.core.const import ENDED_TICKET_RETENTION, MAX_FENCE, TYPE_CHECKING
+from singleflight.core.const import MAX_FENCE, TYPE_CHECKING
 from singleflight.core.errors import BadValue, CorruptRecord, Vanished
 from singleflight.core.fs import Dir, lock_parts, parse_int_record, same_file
 from singleflight.core.record import epoch, loads
@@ -45,6 +46,10 @@ FENCE_FLOOR = "fence-floor"
 # How often an owner opens a lock's path again after prune removed it underneath: each retry
 # follows a whole prune of the idle lock, so only a prune run in a tight loop costs more than one.
 _REOPEN_TRIES = 100
+
+
+# The stop signals a terminal or a user sends, held back while the record mutex is held.
+_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 
 
 class LockDir:
@@ -179,12 +184,20 @@ class LockStore:
 
     @contextmanager
     def mutex(self) -> Iterator[None]:
-        """Serialise read-modify-write of this lock's records (held for microseconds)."""
-        fd = flocked(self, "state.lock")
+        """Serialise read-modify-write of this lock's records (held for microseconds).
+
+        A stop signal (^Z, ``kill -TSTP``) waits until the mutex is let go: stopped inside it,
+        this process would hold every acquirer of the lock until it was continued. Blocked for
+        this thread (our processes have one; SIGSTOP cannot be blocked: docs/faults.md)."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
-            yield
+            fd = flocked(self, "state.lock")
+            try:
+                yield
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def read_pointer(self, name: str) -> str | None:
         """The ticket id a pointer file names, or None when there is none.
@@ -287,22 +300,6 @@ class LockStore:
         out.sort(key=lambda t: t.created_at or 0.0)
         return out
 
-    def prune_ended(self, now: float, keep: float = ENDED_TICKET_RETENTION) -> int:
-        """Remove ended tickets older than ``keep``, except the last holder's: its fence is
-        what a lost fence file continues from."""
-        d = self.sub("ended")
-        # Every slot's last holder (``holder``, ``holder.N`` with --slots).
-        pointers = [n for n in self.dir.listdir() if n == "holder" or n.startswith("holder.")]
-        last = {f"{t}.json" for t in map(self.read_pointer, pointers) if t is not None}
-        removed = 0
-        for name in d.listdir():
-            if name in last:
-                continue
-            st = d.lstat(name)
-            if st is not None and st.st_mtime < now - keep:
-                removed += d.unlink(name)
-        return removed
-
     # -- the last successful start (--min-interval) --------------------------
 
     def _read_success(self) -> tuple[float, int | None] | None:
@@ -343,17 +340,6 @@ class LockStore:
     def write_request(self, request_uuid: str, record: RequestRecord) -> None:
         # Durable: a finished run's record must survive a crash, or a replay reruns it.
         self.sub("requests").write_atomic(f"{request_uuid}.json", record.to_json(), durable=True)
-
-    def prune_requests(self, now: float) -> int:
-        d = self.sub("requests")
-        removed = 0
-        for name in d.listdir():
-            if not name.endswith(".json") or name.startswith("."):
-                continue
-            rec = self.read_request(name[:-5])
-            if rec and not rec.active and (rec.expires_at or 0.0) < now:
-                removed += d.unlink(name)
-        return removed
 
 
 def flocked(store: LockStore, name: str, op: int = fcntl.LOCK_EX) -> int:
