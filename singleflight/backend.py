@@ -1,9 +1,9 @@
 """What a backend does, and the one place that turns a URL into one.
 
-A backend keeps the lock, the queue, the lease, the fence and the records of
-every (scope, lock). Two implement this interface: ``singleflight.local`` (a
-kernel ``flock`` in the lock dir; one host) and ``singleflight.etcd`` (a
-cluster; many hosts). The runner, the holder, the guard and the seed's
+A backend keeps the lock, the queue, the lease, the fence and the records of every (scope,
+lock). Each store's package implements this interface and is named in the scheme table
+(``core.schemes``): ``singleflight.local`` (a kernel ``flock`` in the lock dir; one host) and
+``singleflight.etcd`` (a cluster; many hosts). The runner, the holder, the guard and the seed's
 commands see only these protocols, so an algorithm is written once and a
 backend differs only behind them.
 
@@ -15,10 +15,10 @@ The acquire path, for pearing-run, the CLI's agent and ``Lock`` alike::
     lease, taken = lock.take(grip, ticket, ...)    # in the holder: fence, token, token file
     Holder(lease, ...).serve()                     # renew / check / end / release
 
-A holder is forked with the grip (the lock dir: its flocked fd passes to the holder only
-that way), or, where a grip is data (etcd: ``grip_is_data`` in the scheme table), as the run starts
-to wait; it is then handed the grip (``Grip.handover``, which ``LockOps.take`` takes as the grip) once the run is
-first, and no fork lies between the previous holder's release and COMMAND's start.
+A run that gets the lock at once forks its holder with the grip. One that waits forks it as it
+starts to wait and, once first, hands it the grip (``Grip.handover``: a description, and the
+lock dir's flocked fd over their socketpair), which ``LockOps.take`` takes as the grip: no fork
+lies between the previous holder's release and COMMAND's start.
 """
 
 from __future__ import annotations
