@@ -178,6 +178,11 @@ def pearing(tmp: Path, e: dict[str, str], url: str, job: str) -> dict[str, float
     go = _at(
         new, "`go` to the holder", lambda c: c.name in ("write", "sendmsg") and c.data.startswith(b"go "), answered.ms
     )
+    if go.ret is not None and go.ret < 0:
+        # The standby holder was gone before the grip came: the run forked a holder with it instead
+        # (a correct run, but not the hand-over this measures). Say what the standby last said.
+        said = [c.data[:120] for c in new if c.name == "write" and c.data.startswith(b"error ")]
+        raise SystemExit(f"bench.stages: the standby holder was gone before `go` ({go.text[-40:]!r}); it said {said}")
     got = _at(new, "holder's recvmsg of `go`", _said("recvmsg", b"go "), go.ms)
     readied = _at(new, "`ready`", _said("write", b"ready"), got.ms)
     spawning = _at(new, "`spawning` to the holder", _said("write", b"spawning"), readied.ms)
