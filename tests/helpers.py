@@ -233,8 +233,12 @@ class Procs:
         stdout: Any = subprocess.PIPE,
         stderr: Any = subprocess.PIPE,
         text: bool = False,
+        own_group: bool = False,
     ) -> subprocess.Popen[Any]:
-        """Start ``args``; with ``text`` its pipes carry str instead of bytes."""
+        """Start ``args``; with ``text`` its pipes carry str instead of bytes. Each starts in a
+        session of its own; with ``own_group``, in a process group of its own in the test's
+        session instead: the kernel discards ^Z (SIGTSTP) sent to a group with no parent outside
+        it in its session, as a new session's is."""
         started = time.monotonic()
         p = subprocess.Popen(
             list(args),
@@ -244,7 +248,8 @@ class Procs:
             stdout=stdout,
             stderr=stderr,
             text=text,
-            start_new_session=True,
+            start_new_session=not own_group,
+            process_group=0 if own_group else None,
         )
         self.popens.append(p)
         self.started[p.pid] = started

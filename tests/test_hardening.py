@@ -332,9 +332,12 @@ def test_a_suspended_waiter_keeps_its_place_only_until_its_own_deadline(procs: P
     gate = Gate(work)
     holder = procs.pr("--job", "w", "--", "sh", "-c", gate.script())
     gate.wait_ready()
-    w1 = procs.pr("--job", "w", "--wait-seconds", "2", "--", *logged(log, "W1", seconds=0))
+    w1 = procs.pr("--job", "w", "--wait-seconds", "2", "--", *logged(log, "W1", seconds=0), own_group=True)
     wait_for(lambda: len(lock_status(procs, "w")["waiters"]) == 1, 15, "W1")
-    os.kill(w1.pid, signal.SIGSTOP)  # ^Z
+    # ^Z itself: caught inside the lock dir's record mutex, it stops W1 once W1 has let go (a
+    # SIGSTOP there would hold every acquirer of the lock until continued, W2's ticket too).
+    os.kill(w1.pid, signal.SIGTSTP)
+    wait_for(lambda: proc_state(w1.pid) == "T", 15, "W1 stopped")
     try:
         w2 = procs.pr("--job", "w", "--wait-seconds", "30", "--", *logged(log, "W2", seconds=0))
         gate.open()
@@ -355,9 +358,10 @@ def test_a_resumed_late_waiter_never_takes_a_free_lock(procs: Procs, work: Path)
     holder = procs.pr("--job", "r", "--", "sh", "-c", gate.script())
     gate.wait_ready()
     launched = time.monotonic()
-    w1 = procs.pr("--job", "r", "--wait-seconds", "3", "--", *logged(log, "W1", seconds=0))
+    w1 = procs.pr("--job", "r", "--wait-seconds", "3", "--", *logged(log, "W1", seconds=0), own_group=True)
     wait_for(lambda: lock_status(procs, "r")["waiters"], 15, "W1 to queue")
-    os.kill(w1.pid, signal.SIGSTOP)
+    os.kill(w1.pid, signal.SIGTSTP)  # ^Z: stops W1 once out of the record mutex (see above)
+    wait_for(lambda: proc_state(w1.pid) == "T", 15, "W1 stopped")
     try:
         gate.open()
         assert procs.finish(holder).returncode == 0
