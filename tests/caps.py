@@ -74,12 +74,28 @@ ETCD: Final = Caps(
     dead_waiter_bound=5.0,
     shared_by_hosts=True,
 )
-CAPS: Final = {c.name: c for c in (LOCAL, ETCD)}
+# PostgreSQL: leases on the database's clock, kept by wrapper and holder alike (as etcd's), a
+# waiter's place renewed every second and lapsing within 3 s; fences count 1, 2, 3 per lock.
+POSTGRES: Final = Caps(
+    name="postgres",
+    contiguous_fences=True,
+    records_in_lock_dir=False,
+    lock_is_flock=False,
+    outlives_freeze=False,
+    wrapper_renews_lease=True,
+    holder_gives_up_early=True,
+    shortest_lease=2.0,
+    expiry_rounding=0.0,
+    dead_waiter_bound=5.0,
+    shared_by_hosts=True,
+)
+CAPS: Final = {c.name: c for c in (LOCAL, ETCD, POSTGRES)}
 
 
 def caps_of(backend: str) -> Caps:
     """The Caps of a ``backend`` fixture's value: a name (``local``, ``etcd``) or a URL (``etcd://...``)."""
     scheme = backend.partition("://")[0]
+    scheme = "postgres" if scheme == "postgresql" else scheme
     try:
         return CAPS[scheme]
     except KeyError:

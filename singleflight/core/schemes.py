@@ -47,6 +47,21 @@ SCHEMES: Final = (
         form="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
         check="singleflight.etcd.client:parse_url",
     ),
+    Scheme(
+        "postgres",
+        "postgresql://",
+        "singleflight.postgres.backend:PgBackend",
+        form="postgresql://USER[:PASS]@HOST[:PORT]/DB[?schema=NAME]",
+        check="singleflight.postgres.url:parse_url",
+    ),
+    # libpq's other spelling of the same URL: the same backend.
+    Scheme(
+        "postgres",
+        "postgres://",
+        "singleflight.postgres.backend:PgBackend",
+        form="postgres://...",
+        check="singleflight.postgres.url:parse_url",
+    ),
 )
 DEFAULT: Final = SCHEMES[0]
 
