@@ -17,6 +17,7 @@ from singleflight.core.const import EXPIRED, RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.ticket import Ticket
+from singleflight.postgres import records
 from singleflight.postgres.db import Db
 from singleflight.postgres.line import body_of, channel, ticket_channel, to_ticket
 from singleflight.postgres.place import KEEP_SQL, PgGrip
@@ -272,7 +273,7 @@ class PgLease:
                    AND scope = %s AND name = %s""",
                 (self.lk.repo, self.lk.lock),
             )
-            self.db.q("DELETE FROM {s}.records WHERE expires_at < clock_timestamp()")
+            self.db.q(f"DELETE FROM {{s}}.records r WHERE r.expires_at < clock_timestamp() AND NOT {records.LIVE}")
         self.db.close()
 
 

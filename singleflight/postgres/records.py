@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     from singleflight.core.ticket import Ticket
 
 
+# Is record ``r`` still there for its readers? One with a run lives while the run's ticket is in
+# line; before its ticket has a row (a run claims its request first), until ``expires_at`` (the
+# run's lease from the claim). One kept for so long, until ``expires_at``.
+LIVE = """CASE WHEN r.run IS NULL THEN r.expires_at IS NULL OR r.expires_at > clock_timestamp()
+    ELSE EXISTS (SELECT 1 FROM {s}.tickets t WHERE t.id = r.run AND t.line)
+      OR (NOT EXISTS (SELECT 1 FROM {s}.tickets t WHERE t.id = r.run) AND r.expires_at > clock_timestamp())
+    END"""
+
+
 def _where(key: Key) -> tuple[str, str, str]:
     scope, name = key.lock if key.lock is not None else ("", "")
     return scope, name, key.name
@@ -31,18 +40,15 @@ def read(db: Db, cur: psycopg.Cursor[Any], key: Key) -> tuple[bytes | None, Any,
     """(body, version, where); a run's record whose run is no longer in line reads as None."""
     row = db.one(
         cur,
-        """SELECT r.body, r.version, r.run IS NULL OR EXISTS
-               (SELECT 1 FROM {s}.tickets t WHERE t.id = r.run AND t.line),
-             r.expires_at IS NULL OR r.expires_at > clock_timestamp()
-           FROM {s}.records r WHERE r.scope = %s AND r.name = %s AND r.key = %s""",
+        f"SELECT r.body, r.version, {LIVE} FROM {{s}}.records r WHERE r.scope = %s AND r.name = %s AND r.key = %s",
         _where(key),
     )
     if row is None:
         return None, None, place(key)
-    body, version, run_live, fresh = row
+    body, version, live = row
     if not isinstance(body, (bytes, memoryview)) or type(version) is not int:
         raise corrupt("records", "/".join(_where(key)), "a column holds a value of the wrong type")
-    if not run_live or not fresh:
+    if not live:
         return None, version, place(key)
     return bytes(body), version, place(key)
 
@@ -69,6 +75,8 @@ def write(
             )
         )
     run_id = run.ticket_id if run is not None else None
+    if run is not None:
+        keep = max(2.0, run.lease_seconds)  # until its ticket has a row (``LIVE``)
     expires = "clock_timestamp() + make_interval(secs => %s)" if keep is not None else "NULL::timestamptz"
     extra = (max(1.0, keep),) if keep is not None else ()
     done = db.ex(
@@ -83,15 +91,7 @@ def write(
         return False
     if seen is None:
         # An expired or a dead run's record reads as None, yet is there: it is ours to replace.
-        gone = db.ex(
-            cur,
-            """DELETE FROM {s}.records r WHERE scope = %s AND name = %s AND key = %s AND (
-                 (r.expires_at IS NOT NULL AND r.expires_at <= clock_timestamp())
-                 OR (r.run IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {s}.tickets t WHERE t.id = r.run AND t.line)))
-               RETURNING 1""",
-            where,
-        )
-        del gone
+        db.ex(cur, f"DELETE FROM {{s}}.records r WHERE scope = %s AND name = %s AND key = %s AND NOT {LIVE}", where)
     rows = db.ex(
         cur,
         f"""INSERT INTO {{s}}.records (scope, name, key, body, version, run, expires_at)
