@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from singleflight.core.errors import CorruptRecord
 from singleflight.core.record import epoch
 from singleflight.postgres.db import Db, corrupt
 
@@ -22,7 +21,8 @@ def read(db: Db, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | No
             "SELECT reply_id, body FROM {s}.replies WHERE scope = %s AND thread = %s ORDER BY seq",
             (repo, thread),
         )
-    highest = _fence(repo, thread, top[0]) if top is not None else None
+    # A thread's row is made by its first reply; one without a fence (None) accepted none yet.
+    highest = _fence(repo, thread, top[0]) if top is not None and top[0] is not None else None
     return [_reply(repo, thread, r[0], r[1]) for r in rows], highest
 
 
@@ -78,6 +78,3 @@ def _reply(repo: str, thread: int, reply_id: str, r: Any) -> dict[str, Any]:
     if not ok:
         raise corrupt("replies", where, "a reply field holds a value of the wrong type")
     return {**{k: r.get(k) for k in _FIELDS}, "created_at": created}
-
-
-__all__ = ["CorruptRecord", "add", "read"]
