@@ -45,6 +45,9 @@ class Caps:
     dead_waiter_bound: float
     # Several hosts (each with its own lock dir) share one lock through the store.
     shared_by_hosts: bool
+    # Tickets and records are rows of SQL tables in the backend URL's schema, which a test may
+    # read (``helpers.pg_query``); else, a store with a URL keeps them as etcd keys.
+    records_in_tables: bool = False
 
 
 # The lock dir's row is also what a local_only test (no ``backend``, so no ``caps``) passes on.
@@ -88,6 +91,7 @@ POSTGRES: Final = Caps(
     expiry_rounding=0.0,
     dead_waiter_bound=5.0,
     shared_by_hosts=True,
+    records_in_tables=True,
 )
 CAPS: Final = {c.name: c for c in (LOCAL, ETCD, POSTGRES)}
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from caps import caps_of
 
 BIN_DIR = os.path.dirname(sys.executable)
 PEARING_RUN = os.path.join(BIN_DIR, "pearing-run")
@@ -413,7 +414,7 @@ def stored_blobs(env: dict[str, str], lock_dir: Path) -> dict[str, bytes]:
     test's tenant prefix. Named by path or key."""
     out = {str(f): f.read_bytes() for f in all_files(lock_dir)} if lock_dir.is_dir() else {}
     url = backend_url(env)
-    if url is not None and url.startswith("postgres"):
+    if url is not None and caps_of(url).records_in_tables:
         out.update(pg_rows(url))
     elif url is not None:
         from singleflight.etcd.client import Cluster
@@ -449,7 +450,7 @@ def ticket_ids(env: dict[str, str], lock_dir: Path, job: str, repo: str = "defau
     url = backend_url(env)
     if url is None:
         return {rec["ticket_id"] for sub in ("tickets", "ended") for rec in ticket_records(lock_dir, job, sub, repo)}
-    if url.startswith("postgres"):
+    if caps_of(url).records_in_tables:
         return {r[0] for r in pg_query(url, "SELECT id FROM {s}.tickets WHERE scope = %s AND name = %s", (repo, job))}
     from singleflight.etcd.client import Cluster
 
