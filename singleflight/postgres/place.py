@@ -137,14 +137,16 @@ class PgPlace:
         self._start_listening()
         with db.tx() as cur:
             line = Line(db, cur, self.lk.repo, self.lk.lock).lock_row()
+            mine = t.ticket_id in [r[0] for r in line.rows]  # before a takeover puts us there
             seq = self.lk.supersede_latest(cur, line, t) if t.queue_mode == QUEUE_LATEST else None
-            mine = t.ticket_id in [r[0] for r in line.rows]
             if self.in_line and not mine:
                 self.gone = True  # cancelled (release-lock-ticket) or lapsed before we got here
                 return 1
             ahead = line.ahead(t.ticket_id)
             waiting = max(0, ahead - t.slots)
-            if not mine and t.max_waiting is not None and waiting >= t.max_waiting and ahead >= t.slots:
+            # --max-waiting: counted under the lock's row, so two arrivals at once never both pass.
+            # A ``latest`` arrival that took an older one's place adds no waiter.
+            if seq is None and t.max_waiting is not None and waiting >= t.max_waiting and ahead >= t.slots:
                 raise LineFull(waiting, t.max_waiting)
             t.promoted = True  # if it is ever held, it waited behind another holder
             if mine:
