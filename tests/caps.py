@@ -48,6 +48,11 @@ class Caps:
     # Tickets and records are rows of SQL tables in the backend URL's schema, which a test may
     # read (``helpers.pg_query``); else, a store with a URL keeps them as etcd keys.
     records_in_tables: bool = False
+    # What the store's own client loads as it connects, which a run on it cannot do without
+    # (tests/test_startup.py): psycopg imports these (ssl through asyncio), and libpq links
+    # OpenSSL's libcrypto. Every other store's run must load none of them.
+    client_modules: frozenset[str] = frozenset()
+    client_links_openssl: bool = False
 
 
 # The lock dir's row is also what a local_only test (no ``backend``, so no ``caps``) passes on.
@@ -92,6 +97,10 @@ POSTGRES: Final = Caps(
     dead_waiter_bound=5.0,
     shared_by_hosts=True,
     records_in_tables=True,
+    client_modules=frozenset(
+        {"psycopg", "ctypes", "inspect", "json", "subprocess", "threading", "typing", "ssl", "_ssl"}
+    ),
+    client_links_openssl=True,
 )
 CAPS: Final = {c.name: c for c in (LOCAL, ETCD, POSTGRES)}
 
