@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 from conftest import WITH_POSTGRES
-from helpers import Procs, pg_query
+from helpers import PEARING_CLI, Procs, pg_query
 from pg_cluster import PgCluster, free_port
 
 from singleflight.core.const import ENV_BACKEND
@@ -52,3 +52,24 @@ def test_a_corrupt_row_is_74_naming_table_and_key(postgres: PgCluster, procs: Pr
     r = procs.pr_run("--job", "J", "--", "true")
     assert r.returncode == IOERR, r
     assert "table locks key default/J" in r.stderr.decode(), r
+
+
+def test_init_db_prints_the_ddl_and_a_dba_can_run_it(postgres: PgCluster, procs: Procs) -> None:
+    """The DDL a DBA runs for a role that may not create; that role then works without CREATE."""
+    role = f"r{uuid.uuid4().hex[:10]}"
+    url = f"postgresql://{role}@127.0.0.1:{postgres.port}/postgres?schema=t_{role}"
+    printed = procs.run([PEARING_CLI, "--backend", url, "init-db", "--print-sql"])
+    assert printed.returncode == 0, printed
+    ddl = printed.stdout.decode()
+    assert f'CREATE SCHEMA IF NOT EXISTS "t_{role}"' in ddl and "pearing_schema" in ddl, ddl
+    postgres.sql(f"CREATE ROLE {role} LOGIN")
+    postgres.sql(
+        ddl + f'GRANT USAGE ON SCHEMA "t_{role}" TO {role};'
+        f'GRANT ALL ON ALL TABLES IN SCHEMA "t_{role}" TO {role};'
+        f'GRANT ALL ON ALL SEQUENCES IN SCHEMA "t_{role}" TO {role};'
+    )
+    procs.env[ENV_BACKEND] = url
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == 0, r
+    local = procs.run([PEARING_CLI, "--backend", "local", "init-db", "--print-sql"])
+    assert local.returncode == 64, local

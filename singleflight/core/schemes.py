@@ -54,12 +54,12 @@ SCHEMES: Final = (
         form="postgresql://USER[:PASS]@HOST[:PORT]/DB[?schema=NAME]",
         check="singleflight.postgres.url:parse_url",
     ),
-    # libpq's other spelling of the same URL: the same backend.
+    # libpq's other spelling of the same URL: the same backend (no form of its own to list).
     Scheme(
         "postgres",
         "postgres://",
         "singleflight.postgres.backend:PgBackend",
-        form="postgres://...",
+        form="",
         check="singleflight.postgres.url:parse_url",
     ),
 )
@@ -72,7 +72,7 @@ def scheme_of(url: str) -> Scheme | None:
 
 def forms() -> str:
     """Every backend URL's form, for the one line that refuses another."""
-    return " or ".join(s.form for s in SCHEMES)
+    return " or ".join(s.form for s in SCHEMES if s.form)
 
 
 def help_text(default: str = "PEARING_BACKEND, else local") -> str:

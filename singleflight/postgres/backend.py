@@ -245,6 +245,13 @@ class PgBackend:
     def close(self) -> None:
         self.db.close()
 
+    @staticmethod
+    def setup_sql(url: str) -> str:
+        """The DDL of ``url``'s schema, for a DBA (``pearing-cli init-db --print-sql``)."""
+        from singleflight.postgres import schema
+
+        return schema.print_sql(parse_url(url).schema)
+
     def __enter__(self) -> PgBackend:
         return self
 
