@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, CorruptRecord, NotPermitted
@@ -21,7 +22,7 @@ from singleflight.postgres import schema
 from singleflight.postgres.url import parse_url
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from typing import Any
 
     import psycopg
@@ -48,6 +49,9 @@ class Db:
         self.schema = self.url.schema
         self.s = f'"{self.schema}"'  # the schema, quoted, for the SQL
         self.timeout = timeout
+        # A holder's cut-off (monotonic): no request may still be blocked past it, so one that
+        # could not end before it is not sent (a connect takes up to its 2 s timeout).
+        self.not_after: Callable[[], float] | None = None
         self._conn: psycopg.Connection[Any] | None = None
 
     def close(self) -> None:
@@ -61,9 +65,20 @@ class Db:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return BackendUnavailable(self.url.masked, detail)
 
+    def _left(self) -> float:
+        """How long the next request may take: ``timeout``, or less before the cut-off."""
+        if self.not_after is None:
+            return self.timeout
+        left = min(self.timeout, self.not_after() - time.monotonic())
+        if left <= 0:
+            raise BackendUnavailable(self.url.masked, "no time left before the holder's cut-off")
+        return left
+
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             pg = _psycopg()
+            if self.not_after is not None and time.monotonic() + _CONNECT_TIMEOUT >= self.not_after():
+                raise BackendUnavailable(self.url.masked, "no time to connect before the holder's cut-off")
             try:
                 with self._watch(None):
                     c = pg.connect(
@@ -72,6 +87,10 @@ class Db:
                         connect_timeout=max(_CONNECT_TIMEOUT, int(self.timeout)),
                         application_name="pearing",
                     )
+                if not self.url.listen:
+                    # Behind a pooler in transaction mode (listen=0) the next statement may reach
+                    # another server connection: none prepared on the server.
+                    c.prepare_threshold = None
             except pg.Error as exc:
                 raise self._unavailable(exc) from None
             self._conn = c
@@ -96,7 +115,7 @@ class Db:
                 finally:
                     s.close()
 
-        timer = threading.Timer(self.timeout, cut)
+        timer = threading.Timer(self._left(), cut)
         timer.daemon = True
         timer.start()
         try:

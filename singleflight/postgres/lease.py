@@ -44,6 +44,7 @@ class PgLease:
         self.ver: int | None = None
         self.gone = False
         self._listen: Db | None = None
+        db.not_after = self._cut_off  # never blocked in a request past it
         self._schedule()
 
     def _cut_off(self) -> float:
