@@ -53,6 +53,9 @@ class Caps:
     # OpenSSL's libcrypto. Every other store's run must load none of them.
     client_modules: frozenset[str] = frozenset()
     client_links_openssl: bool = False
+    # The URL lists several endpoints, and the client asks the next when one fails or answers
+    # garbage (etcd's members): a hostile peer can be put among them.
+    endpoints_in_url: bool = False
 
 
 # The lock dir's row is also what a local_only test (no ``backend``, so no ``caps``) passes on.
@@ -81,6 +84,7 @@ ETCD: Final = Caps(
     expiry_rounding=1.0,
     dead_waiter_bound=5.0,
     shared_by_hosts=True,
+    endpoints_in_url=True,
 )
 # PostgreSQL: leases on the database's clock, kept by wrapper and holder alike (as etcd's), a
 # waiter's place renewed every second and lapsing within 3 s; fences count 1, 2, 3 per lock.

@@ -267,7 +267,8 @@ class PgLease:
         self._housekeeping()
 
     def _housekeeping(self) -> None:
-        """After the hand-over: ended tickets older than their retention, and expired records, go."""
+        """After the hand-over: ended tickets older than their retention, expired records and lapsed
+        guards go."""
         with contextlib.suppress(BackendUnavailable):
             self.db.q(
                 """DELETE FROM {s}.tickets WHERE NOT line AND ended_at < clock_timestamp() - interval '1 hour'
@@ -275,6 +276,8 @@ class PgLease:
                 (self.lk.repo, self.lk.lock),
             )
             self.db.q(f"DELETE FROM {{s}}.records r WHERE r.expires_at < clock_timestamp() AND NOT {records.LIVE}")
+            # A guarded command killed before it let go leaves its row; lapsed, nobody waits for it.
+            self.db.q("DELETE FROM {s}.guards WHERE until < clock_timestamp() - interval '1 minute'")
         self.db.close()
 
 
