@@ -4,12 +4,14 @@ local lock dir, and name the backend, so ``pearing-guard`` asks the database."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from contextlib import contextmanager
 
 from singleflight.core import names, proc
 from singleflight.core.const import ENV_BACKEND, ENV_SLOT, HELD, QUEUE_LATEST, REQUEST_ACTIVE, TYPE_CHECKING, WAITING
+from singleflight.core.errors import BackendUnavailable
 from singleflight.core.request import RequestRecord, lock_record, request_record
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
@@ -175,16 +177,48 @@ class PgLock(PgTickets):
     def take(
         self, grip: PgGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float
     ) -> tuple[PgLease, Taken]:
-        """In the holder: our row holds since the promotion, with its fence and our token's hash;
-        the holder's pid and deadline go into it now, on the holder's own connection."""
+        """In the holder: our row holds since the promotion, with its fence and our token's hash.
+        The holder's pid and deadline go into it now, on the holder's own connection, in the same
+        statement that keeps its lease (a holder frozen before its first word finds the lease as
+        the wrapper kept it meanwhile, or lapsed: then it is lost, and nothing is written)."""
         from singleflight.postgres.lease import PgLease
 
         if isinstance(grip, dict):
             grip = PgGrip.from_handover(self.backend.url, grip)
         db = Db(self.backend.url, timeout=max(0.2, min(1.0, grip.ttl / 10)))
-        with db.tx() as cur:
-            row = read_row(db, cur, grip.ticket_id)
-        t = ticket if row is None else as_stored(grip.ticket_id, row)
+        sent = time.monotonic()
+        ver: int | None = None
+        reached = False
+        with contextlib.suppress(BackendUnavailable), db.tx() as cur:
+            row = read_row(db, cur, grip.ticket_id, lock=True)
+            t = ticket if row is None else as_stored(grip.ticket_id, row)
+            if row is not None and t.live:
+                self._settle(t, grip, promoted)
+                done = db.ex(
+                    cur,
+                    """UPDATE {s}.tickets SET held_until = clock_timestamp() + make_interval(secs => %s),
+                       body = %s, ver = ver + 1 WHERE id = %s AND line AND hold AND fence = %s
+                       AND held_until > clock_timestamp() RETURNING ver""",
+                    (grip.ttl, body_of(t), grip.ticket_id, grip.fence),
+                )
+                if done:
+                    ver, grip.kept_at = done[0][0], sent
+            reached = True
+        if ver is None:  # not written: what we know of it
+            t = ticket
+            self._settle(t, grip, promoted)
+        ticket.fence, ticket.token_hash, ticket.slot = grip.fence, t.token_hash, grip.slot
+        margin = min(kill_grace + 0.5 + db.timeout, grip.ttl / 3)
+        driver = PgLease(self, db, grip, t, margin=margin, ver=ver, reached=reached)
+        token_file = self.tokens.write(t, grip.token, backend=self.backend.url, key=f"{self.repo}/{self.lock}")
+        env = {ENV_BACKEND: self.backend.url, ENV_SLOT: str(grip.slot)}
+        from singleflight.core.protocol import Taken
+
+        return driver, Taken(grip.fence, grip.token, token_file, env)
+
+    @staticmethod
+    def _settle(t: Ticket, grip: PgGrip, promoted: bool) -> None:
+        """The ticket as its holder records it: who holds, since when, its own deadline."""
         t.owner_pid, t.owner_start = t.holder_pid, t.holder_start  # who waited: the wrapper, or the agent
         t.state, t.fence, t.slot, t.promoted = HELD, grip.fence, grip.slot, promoted or t.promoted
         t.holder_pid, t.holder_start = os.getpid(), proc.start_time(os.getpid())
@@ -193,15 +227,6 @@ class PgLock(PgTickets):
         t.token_hash = token_hash(grip.token)
         t.set_lease(t.lease_seconds)
         t.boot_id = proc.boot_id()
-        ticket.fence, ticket.token_hash, ticket.slot = grip.fence, t.token_hash, grip.slot
-        margin = min(kill_grace + 0.5 + db.timeout, grip.ttl / 3)
-        driver = PgLease(self, db, grip, t, margin=margin)
-        driver.settle()
-        token_file = self.tokens.write(t, grip.token, backend=self.backend.url, key=f"{self.repo}/{self.lock}")
-        env = {ENV_BACKEND: self.backend.url, ENV_SLOT: str(grip.slot)}
-        from singleflight.core.protocol import Taken
-
-        return driver, Taken(grip.fence, grip.token, token_file, env)
 
     # -- the ticket ------------------------------------------------------------------------
 

@@ -34,14 +34,18 @@ _END_ROUNDS = 200
 
 
 class PgLease:
-    def __init__(self, lk: Any, db: Db, grip: PgGrip, ticket: Ticket, *, margin: float) -> None:
+    def __init__(
+        self, lk: Any, db: Db, grip: PgGrip, ticket: Ticket, *, margin: float, ver: int | None, reached: bool
+    ) -> None:
         self.lk, self.db, self.grip, self.ticket = lk, db, grip, ticket
         self.ttl, self.margin, self.kept_at = grip.ttl, margin, grip.kept_at
         self.fence = grip.fence
         self.deadline = ticket.lease_deadline_mono or time.monotonic()
-        self.unreachable = False
-        self.lapsed = False
-        self.ver: int | None = None
+        # ``take`` recorded us and kept the lease in one statement (the version it wrote), found
+        # the row lost already (the first check says why), or could not reach the server.
+        self.unreachable = not reached
+        self.ver = ver
+        self.lapsed = reached and ver is None
         self.gone = False
         self._listen: Db | None = None
         db.not_after = self._cut_off  # never blocked in a request past it
@@ -76,11 +80,6 @@ class PgLease:
             self.ticket.lease_deadline_mono = sent
             return
         self.kept_at = sent
-
-    def settle(self) -> None:
-        """Right after the promotion: the holder's pid and deadline into the row."""
-        if not self._record():
-            self.lapsed = True
 
     def _record(self) -> bool:
         """Write the ticket into our row by compare-and-set on the version we last saw: never

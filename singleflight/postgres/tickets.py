@@ -14,7 +14,7 @@ from singleflight.core.errors import UnknownLock, UnknownTicket
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.postgres.db import Db
-from singleflight.postgres.line import COLS, Line, as_stored, body_of, channel, read_row, ticket_channel
+from singleflight.postgres.line import COLS, WAIT_TTL, Line, as_stored, body_of, channel, read_row, ticket_channel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -122,6 +122,16 @@ class PgTickets:
             if not change(t) or not t.live:
                 return None
             self.write(cur, t)
+            if t.state == WAITING and t.holder_host == os.uname().nodename and _is_me(t.holder_pid, t.holder_start):
+                # Ours: we created it and answer for it until its agent starts (a busy machine may
+                # start it late), or we are that agent: our heartbeat keeps its place. Only ours:
+                # anyone else's must not keep a dead waiter in line.
+                self.db.ex(
+                    cur,
+                    """UPDATE {s}.tickets SET place_until = greatest(place_until,
+                       clock_timestamp() + make_interval(secs => %s)) WHERE id = %s AND line AND NOT hold""",
+                    (max(WAIT_TTL, t.lease_seconds), ticket_id),
+                )
             if t.superseded_by and t.state == HELD:
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (ticket_channel(self.db, ticket_id),))
             return t
@@ -212,6 +222,11 @@ class PgTickets:
         entries: list[Ticket | dict[str, Any]] = [*holders, *waiters]
         fence = fence_row[0] if fence_row is not None and fence_row[0] else None
         return LineView(entries, held=bool(holders), fence=fence, extra={}, holders=len(holders), slots=total)
+
+
+def _is_me(pid: int | None, start: int | None) -> bool:
+    """Is this process the one a ticket names (its pid and start time)?"""
+    return pid == os.getpid() and start == proc.start_time(pid)
 
 
 def to_body(row: tuple[Any, ...], ticket_id: str) -> Ticket:
