@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 _BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
@@ -90,12 +89,3 @@ class PgCluster:
             check=True,
         )
         return r.stdout
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-                self.sql("SELECT 1")
-                return
-            time.sleep(0.1)
-        raise TimeoutError("postgres did not come up")

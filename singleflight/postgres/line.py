@@ -156,6 +156,9 @@ class Line:
         if self.fence >= MAX_FENCE:
             raise corrupt("locks", f"{self.repo}/{self.lock}", "holds the largest fence; none can follow")
         self.fence += 1
+        # Durable whatever the server's or role's default: a fence a crash (or a failover to a
+        # synchronous standby) could forget would be issued twice.
+        self.db.ex(self.cur, "SET LOCAL synchronous_commit TO on")
         self.db.ex(
             self.cur,
             "UPDATE {s}.locks SET fence = %s, used_at = clock_timestamp() WHERE scope = %s AND name = %s",
