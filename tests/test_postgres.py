@@ -51,6 +51,18 @@ def test_the_password_is_never_printed(procs: Procs) -> None:
     assert bad.returncode == 64 and secret not in bad.stderr.decode(), bad
 
 
+def test_without_the_driver_one_line_and_69(procs: Procs, tmp_path: Path) -> None:
+    """The postgres extra not installed: one line naming the extra, 69 (a missing part), not 75."""
+    fake = tmp_path / "nodriver" / "psycopg"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no psycopg here')\n")
+    procs.env["PYTHONPATH"] = str(fake.parent)
+    procs.env[ENV_BACKEND] = f"postgresql://me@127.0.0.1:{free_port()}/db"
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == ExitCode.UNAVAILABLE, r
+    assert len(r.err_lines) == 1 and "pearing-singleflight[postgres]" in r.err_lines[0], r
+
+
 def test_a_role_that_may_not_create_gets_77(postgres: PgCluster, procs: Procs) -> None:
     role = f"r{uuid.uuid4().hex[:10]}"
     postgres.sql(f"CREATE ROLE {role} LOGIN")

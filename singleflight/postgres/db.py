@@ -16,8 +16,8 @@ import socket
 import threading
 import time
 
-from singleflight.core.const import TYPE_CHECKING
-from singleflight.core.errors import BackendUnavailable, CorruptRecord, NotPermitted
+from singleflight.core.const import TYPE_CHECKING, ExitCode
+from singleflight.core.errors import BackendUnavailable, CorruptRecord, NotPermitted, PearingError
 from singleflight.postgres import schema
 from singleflight.postgres.url import parse_url
 
@@ -31,13 +31,21 @@ if TYPE_CHECKING:
 _CONNECT_TIMEOUT = 2
 
 
+class DriverMissing(PearingError):
+    """The postgres extra is not installed: a part of the install is missing (69), not a busy
+    lock (75), which a cron job would take for a skipped run."""
+
+    exit_code = ExitCode.UNAVAILABLE
+
+    def __init__(self) -> None:
+        super().__init__("the PostgreSQL driver is not installed: pip install 'pearing-singleflight[postgres]'")
+
+
 def _psycopg() -> Any:
     try:
         import psycopg
     except ImportError:
-        raise BackendUnavailable(
-            "postgresql", "psycopg is not installed: pip install 'pearing-singleflight[postgres]'"
-        ) from None
+        raise DriverMissing from None
     return psycopg
 
 
