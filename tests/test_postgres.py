@@ -233,7 +233,7 @@ def test_a_waiter_killed_with_minus_9(server: PgCluster, procs: Procs, work: Pat
 # -- a pooler in transaction mode -------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def bouncer(server: PgCluster) -> Iterator[int]:
     """PgBouncer in transaction mode in front of the module's server; its port."""
     if PGBOUNCER is None:
@@ -265,11 +265,13 @@ def bouncer(server: PgCluster) -> Iterator[int]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_through_pgbouncer_in_transaction_mode(bouncer: int, procs: Procs, work: Path) -> None:
+@pytest.mark.parametrize("listen", ["0", "1"])
+def test_through_pgbouncer_in_transaction_mode(bouncer: int, procs: Procs, work: Path, listen: str) -> None:
     """listen=0: waiters poll instead of LISTEN (the pooler keeps no session); no advisory lock
-    and nothing else of a session is relied on, so hand-overs work through it."""
+    and nothing else of a session is relied on, so hand-overs work through it. Left at LISTEN
+    by mistake, a waiter still looks every second: slower hand-overs, never a stuck line."""
     procs.env[ENV_BACKEND] = (
-        f"postgresql://postgres@127.0.0.1:{bouncer}/postgres?schema=t_{uuid.uuid4().hex[:12]}&listen=0"
+        f"postgresql://postgres@127.0.0.1:{bouncer}/postgres?schema=t_{uuid.uuid4().hex[:12]}&listen={listen}"
     )
     runs = [contender(procs, work, n, lease="6", seconds=0.3) for n in ("A", "B", "C", "D")]
     assert [procs.finish(p, timeout=60).returncode for p in runs] == [0, 0, 0, 0]
