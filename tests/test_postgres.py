@@ -25,7 +25,7 @@ from conftest import WITH_POSTGRES
 from helpers import PEARING_CLI, Procs, pg_query, q, wait_for
 from pg_cluster import PGBOUNCER, PgCluster, free_port
 
-from singleflight.core.const import ENV_BACKEND, ExitCode
+from singleflight.core.const import ENV_BACKEND, ENV_METRICS_DIR, ExitCode
 
 pytestmark = [
     pytest.mark.postgres,
@@ -49,6 +49,29 @@ def test_the_password_is_never_printed(procs: Procs) -> None:
     assert "me:***@127.0.0.1" in r.stderr.decode(), r
     bad = procs.pr_run("--backend", f"postgresql://me:{secret}@127.0.0.1:x/db", "--job", "J", "--", "true")
     assert bad.returncode == 64 and secret not in bad.stderr.decode(), bad
+
+
+def test_the_password_is_in_no_output_of_a_working_run(postgres: PgCluster, procs: Procs, work: Path) -> None:
+    """A server that takes the URL (trust auth ignores the password): a verbose run, its metrics
+    and status, while held and after, never show the password."""
+    secret = f"s3cret{uuid.uuid4().hex[:8]}"
+    procs.env[ENV_BACKEND] = f"postgresql://postgres:{secret}@127.0.0.1:{postgres.port}/postgres?schema=t_{secret}"
+    procs.env[ENV_METRICS_DIR] = str(work / "metrics")
+    gate = work / "go"
+    held = procs.pr(
+        "-v", "--job", "J", "--", "sh", "-c", f"touch {q(work / 'in')}; while [ ! -e {q(gate)} ]; do sleep 0.05; done"
+    )
+    wait_for((work / "in").exists, 15, "the run to hold")
+    outputs = [procs.run([PEARING_CLI, "status"]), procs.run([PEARING_CLI, "status", "J"])]
+    gate.touch()
+    outputs.append(procs.finish(held))
+    outputs.append(procs.run([PEARING_CLI, "status", "--idle"]))
+    assert [r.returncode for r in outputs] == [0, 0, 0, 0], outputs
+    shown = b"".join(r.stdout + r.stderr for r in outputs)
+    metrics = [f for f in (work / "metrics").rglob("*") if f.is_file()]
+    assert metrics, "no metrics written"
+    shown += b"".join(f.read_bytes() for f in metrics)
+    assert secret.encode() not in shown
 
 
 def test_without_the_driver_one_line_and_69(procs: Procs, tmp_path: Path) -> None:
