@@ -90,16 +90,19 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 WITH_POSTGRES = os.environ.get("PEARING_TEST_POSTGRES") == "1"
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PgCluster]:
-    """A throwaway PostgreSQL cluster on loopback, for the whole session (``pg_cluster``).
-
-    Skipped where the server is not installed, except under CI (CI=true), where a skip would
-    hide the suite."""
+def require_postgres() -> None:
+    """Skip where the server is not installed, except under CI (CI=true), where a skip would
+    hide the postgres half that PEARING_TEST_POSTGRES=1 asked for."""
     if PG_BIN is None:
         if os.environ.get("CI") == "true":
             pytest.fail("postgresql is not installed but CI=true and PEARING_TEST_POSTGRES=1")
         pytest.skip("postgresql not installed (apt-get install postgresql)")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgCluster]:
+    """A throwaway PostgreSQL cluster on loopback, for the whole session (``pg_cluster``)."""
+    require_postgres()
     # Not under pytest's temp dir: that one is private to us, and the server runs as ``postgres``.
     cluster = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pg-")))
     try:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import WITH_POSTGRES
+from conftest import WITH_POSTGRES, require_postgres
 from helpers import PEARING_CLI, Procs, pg_query, q, wait_for
 from pg_cluster import PGBOUNCER, PgCluster, free_port
 
@@ -133,6 +133,7 @@ INTERVAL_CMD = str(Path(__file__).with_name("interval_cmd.py"))
 @pytest.fixture(scope="module")
 def server() -> Iterator[PgCluster]:
     """A cluster of this module's own: its faults (restart, SIGSTOP) reach no other test."""
+    require_postgres()
     cluster = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pgf-")))
     try:
         cluster.init()
