@@ -45,6 +45,17 @@ class Caps:
     dead_waiter_bound: float
     # Several hosts (each with its own lock dir) share one lock through the store.
     shared_by_hosts: bool
+    # Tickets and records are rows of SQL tables in the backend URL's schema, which a test may
+    # read (``helpers.pg_query``); else, a store with a URL keeps them as etcd keys.
+    records_in_tables: bool = False
+    # What the store's own client loads as it connects, which a run on it cannot do without
+    # (tests/test_startup.py): psycopg imports these (ssl through asyncio), and libpq links
+    # OpenSSL's libcrypto. Every other store's run must load none of them.
+    client_modules: frozenset[str] = frozenset()
+    client_links_openssl: bool = False
+    # The URL lists several endpoints, and the client asks the next when one fails or answers
+    # garbage (etcd's members): a hostile peer can be put among them.
+    endpoints_in_url: bool = False
 
 
 # The lock dir's row is also what a local_only test (no ``backend``, so no ``caps``) passes on.
@@ -73,13 +84,35 @@ ETCD: Final = Caps(
     expiry_rounding=1.0,
     dead_waiter_bound=5.0,
     shared_by_hosts=True,
+    endpoints_in_url=True,
 )
-CAPS: Final = {c.name: c for c in (LOCAL, ETCD)}
+# PostgreSQL: leases on the database's clock, kept by wrapper and holder alike (as etcd's), a
+# waiter's place renewed every second and lapsing within 3 s; fences count 1, 2, 3 per lock.
+POSTGRES: Final = Caps(
+    name="postgres",
+    contiguous_fences=True,
+    records_in_lock_dir=False,
+    lock_is_flock=False,
+    outlives_freeze=False,
+    wrapper_renews_lease=True,
+    holder_gives_up_early=True,
+    shortest_lease=2.0,
+    expiry_rounding=0.0,
+    dead_waiter_bound=5.0,
+    shared_by_hosts=True,
+    records_in_tables=True,
+    client_modules=frozenset(
+        {"psycopg", "ctypes", "inspect", "json", "subprocess", "threading", "typing", "ssl", "_ssl"}
+    ),
+    client_links_openssl=True,
+)
+CAPS: Final = {c.name: c for c in (LOCAL, ETCD, POSTGRES)}
 
 
 def caps_of(backend: str) -> Caps:
     """The Caps of a ``backend`` fixture's value: a name (``local``, ``etcd``) or a URL (``etcd://...``)."""
     scheme = backend.partition("://")[0]
+    scheme = "postgres" if scheme == "postgresql" else scheme
     try:
         return CAPS[scheme]
     except KeyError:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import compileall
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ from caps import Caps, caps_of
 from etcd_cluster import ETCD, Cluster
 from helpers import MARKER_VAR, Procs
 from hostile_peer import HostilePeer
+from pg_cluster import BIN as PG_BIN
+from pg_cluster import PgCluster
 
 from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ENV_LOCK_DIR
 
@@ -82,6 +86,34 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
+# The postgres half of ``backend`` runs only when asked for: CI time is tight.
+WITH_POSTGRES = os.environ.get("PEARING_TEST_POSTGRES") == "1"
+
+
+def require_postgres() -> None:
+    """Skip where the server is not installed, except under CI (CI=true), where a skip would
+    hide the postgres half that PEARING_TEST_POSTGRES=1 asked for."""
+    if PG_BIN is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("postgresql is not installed but CI=true and PEARING_TEST_POSTGRES=1")
+        pytest.skip("postgresql not installed (apt-get install postgresql)")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgCluster]:
+    """A throwaway PostgreSQL cluster on loopback, for the whole session (``pg_cluster``)."""
+    require_postgres()
+    # Not under pytest's temp dir: that one is private to us, and the server runs as ``postgres``.
+    cluster = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pg-")))
+    try:
+        cluster.init()
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop("immediate")
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
 @pytest.fixture
 def job() -> str:
     """A lock name of its own under the default tenant: the session's cluster is shared (and
@@ -110,6 +142,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for tree in {root / "singleflight", Path(singleflight.__file__).parent, root / "tests"}:
         compileall.compile_dir(str(tree), quiet=1)
     config.addinivalue_line("markers", "etcd: runs against the real etcd cluster (the etcd half of `backend`)")
+    config.addinivalue_line(
+        "markers", "postgres: runs against a real PostgreSQL server (the postgres half of `backend`)"
+    )
     config.addinivalue_line(
         "markers",
         "local_only(reason): runs on the lock dir only, for the reason given (what it asserts that only "
@@ -158,7 +193,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name} and the `backend` fixture disagree")
 
 
-@pytest.fixture(params=["local", pytest.param("etcd", marks=pytest.mark.etcd)])
+_BACKENDS = ["local", pytest.param("etcd", marks=pytest.mark.etcd)]
+if WITH_POSTGRES:
+    _BACKENDS.append(pytest.param("postgres", marks=pytest.mark.postgres))
+
+
+@pytest.fixture(params=_BACKENDS)
 def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
     """Run a test on both backends: the same contract on either.
 
@@ -169,6 +209,10 @@ def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
     if request.param == "local":
         env.pop(ENV_BACKEND, None)
         return "local"
+    if request.param == "postgres":
+        pg: PgCluster = request.getfixturevalue("postgres")
+        env[ENV_BACKEND] = f"{pg.url}?schema=t_{uuid.uuid4().hex[:12]}"  # a tenant of its own
+        return env[ENV_BACKEND]
     known = request.node.get_closest_marker("etcd_xfail")
     if known is not None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"etcd: {known.args[0]}"))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from caps import caps_of
 
 BIN_DIR = os.path.dirname(sys.executable)
 PEARING_RUN = os.path.join(BIN_DIR, "pearing-run")
@@ -418,7 +419,9 @@ def stored_blobs(env: dict[str, str], lock_dir: Path) -> dict[str, bytes]:
     test's tenant prefix. Named by path or key."""
     out = {str(f): f.read_bytes() for f in all_files(lock_dir)} if lock_dir.is_dir() else {}
     url = backend_url(env)
-    if url is not None:
+    if url is not None and caps_of(url).records_in_tables:
+        out.update(pg_rows(url))
+    elif url is not None:
         from singleflight.etcd.client import Cluster
 
         cluster = Cluster(url)
@@ -427,11 +430,33 @@ def stored_blobs(env: dict[str, str], lock_dir: Path) -> dict[str, bytes]:
     return out
 
 
+def pg_query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """One statement on the test's PostgreSQL tenant (``{s}``: its schema)."""
+    from singleflight.postgres.db import Db
+
+    db = Db(url)
+    try:
+        return db.q(sql, params)
+    finally:
+        db.close()
+
+
+def pg_rows(url: str) -> dict[str, bytes]:
+    """Every row of the tenant's tables, as text, named by table and row number."""
+    out = {}
+    for table in ("locks", "tickets", "records", "guards", "threads", "replies"):
+        for i, row in enumerate(pg_query(url, f"SELECT x::text FROM {{s}}.{table} x")):
+            out[f"{table}/{i}"] = str(row[0]).encode()
+    return out
+
+
 def ticket_ids(env: dict[str, str], lock_dir: Path, job: str, repo: str = "default") -> set[str]:
     """Every ticket the backend has recorded for the lock, live or ended."""
     url = backend_url(env)
     if url is None:
         return {rec["ticket_id"] for sub in ("tickets", "ended") for rec in ticket_records(lock_dir, job, sub, repo)}
+    if caps_of(url).records_in_tables:
+        return {r[0] for r in pg_query(url, "SELECT id FROM {s}.tickets WHERE scope = %s AND name = %s", (repo, job))}
     from singleflight.etcd.client import Cluster
 
     cluster = Cluster(url)

@@ -279,11 +279,31 @@ def test_pearing_guards_path_loads_neither_subprocess_nor_sqlite() -> None:
 # What implements each Protocol: the scheme table names only the backends' classes, so mypy
 # (``backend_class()`` is Any) cannot see a member that a backend lacks.
 _IMPLEMENTATIONS = {
-    "Backend": ("singleflight.local.backend:LocalBackend", "singleflight.etcd.backend:EtcdBackend"),
-    "LockOps": ("singleflight.local.backend:LocalLock", "singleflight.etcd.backend:EtcdLock"),
-    "Lease": ("singleflight.local.backend:LocalLease", "singleflight.etcd.lease:EtcdLease"),
-    "Place": ("singleflight.local.place:LocalPlace", "singleflight.etcd.place:EtcdPlace"),
-    "Grip": ("singleflight.local.place:FlockGrip", "singleflight.etcd.grip:EtcdGrip"),
+    "Backend": (
+        "singleflight.local.backend:LocalBackend",
+        "singleflight.etcd.backend:EtcdBackend",
+        "singleflight.postgres.backend:PgBackend",
+    ),
+    "LockOps": (
+        "singleflight.local.backend:LocalLock",
+        "singleflight.etcd.backend:EtcdLock",
+        "singleflight.postgres.backend:PgLock",
+    ),
+    "Lease": (
+        "singleflight.local.backend:LocalLease",
+        "singleflight.etcd.lease:EtcdLease",
+        "singleflight.postgres.lease:PgLease",
+    ),
+    "Place": (
+        "singleflight.local.place:LocalPlace",
+        "singleflight.etcd.place:EtcdPlace",
+        "singleflight.postgres.place:PgPlace",
+    ),
+    "Grip": (
+        "singleflight.local.place:FlockGrip",
+        "singleflight.etcd.grip:EtcdGrip",
+        "singleflight.postgres.place:PgGrip",
+    ),
 }
 
 

@@ -90,9 +90,11 @@ from pathlib import Path
 import nemesis_command
 import pytest
 from caps import Caps, caps_of
+from conftest import WITH_POSTGRES
 from etcd_cluster import Cluster
-from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, proc_state, ticket_records, wait_for
+from helpers import PEARING_RUN, Procs, kill_exact, pg_query, pid_alive, proc_state, ticket_records, wait_for
 from hostile_peer import HostilePeer
+from pg_cluster import PgCluster
 
 from singleflight.core import proc as _proc
 from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ExitCode
@@ -129,9 +131,9 @@ WORKLOAD = (
     "hostile-peer",
 )
 LOCK_KINDS = ("kill-lock-waiting", "kill-lock-holding", "fork-in-block")
-# Kinds a backend can host only with a capability: a hostile member needs a member list (a store
-# reached over the network, which several hosts share).
-NEEDS: dict[str, Callable[[Caps], bool]] = {"hostile-peer": lambda caps: caps.shared_by_hosts}
+# Kinds a backend can host only with a capability: a hostile member needs a member list in the
+# URL, whose client asks the next member when one fails (etcd; not a single postgres server).
+NEEDS: dict[str, Callable[[Caps], bool]] = {"hostile-peer": lambda caps: caps.endpoints_in_url}
 # Answers of a wrong peer that fail fast; ``drip`` costs a request timeout per call, longer than
 # the campaign's short leases allow a renewal (tests/test_etcd_hostile.py covers it alone).
 HOSTILE = ("hello", "{}", "[]", '{"header": {}}', "proxy-502")
@@ -147,6 +149,7 @@ OPT_IN: frozenset[str] = frozenset()
 KNOWN_BUGS: dict[str, dict[str, tuple[str, ...]]] = {
     "local": {},
     "etcd": {},
+    "postgres": {},
 }
 
 
@@ -635,6 +638,8 @@ class Nemesis:
         if self.caps.records_in_lock_dir:
             recs = ticket_records(self.procs.lock_dir, self.job)
             return {r["holder_pid"] for r in recs if r.get("state") == "waiting"}
+        if self.caps.records_in_tables:
+            return set(_pg_waiting_pids(self.env[ENV_BACKEND], self.job))
         from singleflight.etcd.client import Cluster as Client
         from singleflight.etcd.lock import Mutex
 
@@ -997,15 +1002,25 @@ def one_round(backend: str, procs: Procs, env: dict[str, str], work: Path, seed:
 
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
-    """Indirectly parametrized: ``local`` or ``etcd`` (the session's 3-member cluster)."""
+    """Indirectly parametrized: ``local``, ``etcd`` (the session's 3-member cluster) or, with
+    PEARING_TEST_POSTGRES=1, ``postgres`` (the session's server, a tenant schema of its own)."""
     name = str(request.param)
     if name == "etcd":
         cluster: Cluster = request.getfixturevalue("etcd")
         env[ENV_BACKEND] = cluster.url
+    if name == "postgres":
+        pg: PgCluster = request.getfixturevalue("postgres")
+        env[ENV_BACKEND] = f"{pg.url}?schema=t_{uuid.uuid4().hex[:12]}"
     return name
 
 
-BOTH = ["local", "etcd"]
+def _pg_waiting_pids(url: str, job: str) -> list[int]:
+    """The pids that wait in line for ``job`` on postgres, as its rows name them."""
+    rows = pg_query(url, "SELECT body->>'holder_pid' FROM {s}.tickets WHERE name = %s AND line AND NOT hold", (job,))
+    return [int(r[0]) for r in rows if r[0] is not None]
+
+
+BOTH = ["local", "etcd", *(["postgres"] if WITH_POSTGRES else [])]
 
 
 # -- the campaign ---------------------------------------------------------------------------------
@@ -1147,6 +1162,8 @@ class Solo:
         def queued() -> bool:
             if ENV_BACKEND not in env:
                 return any(r.get("holder_pid") == pid for r in ticket_records(lock_dir, self.job))
+            if caps_of(env[ENV_BACKEND]).records_in_tables:
+                return pid in _pg_waiting_pids(env[ENV_BACKEND], self.job)
             from singleflight.etcd.client import Cluster as Client
             from singleflight.etcd.lock import Mutex
 

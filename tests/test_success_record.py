@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from caps import Caps
-from helpers import Procs, backend_url, store_dir
+from helpers import Procs, backend_url, pg_query, store_dir
 
 from singleflight.core.const import ExitCode
 
@@ -19,6 +19,11 @@ def _plant(caps: Caps, procs: Procs, lock_dir: Path, job: str, body: bytes) -> s
         path = store_dir(lock_dir, job) / "success"
         path.write_bytes(body)
         return str(path)
+    if caps.records_in_tables:
+        url = backend_url(procs.env)
+        assert url is not None
+        pg_query(url, "UPDATE {s}.records SET body = %s WHERE name = %s AND key = 'success'", (body, job))
+        return f"table records key default/{job}/success"
     from singleflight.etcd.client import Cluster
 
     url = backend_url(procs.env)

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 from caps import Caps
-from helpers import PEARING_CLI, Gate, Procs, backend_url, cli_json, lock_status, q, wait_for
+from helpers import PEARING_CLI, Gate, Procs, backend_url, cli_json, lock_status, pg_query, q, wait_for
 from test_mcp import serve, server_args  # noqa: F401 - server_args is a fixture
 
 from singleflight.core.const import ExitCode
@@ -263,6 +263,14 @@ def test_a_corrupt_reply_or_fence_is_74_naming_where_and_kept(
         db.commit()
         db.close()
         where = b"threads.sqlite3"
+    elif caps.records_in_tables:
+        url = backend_url(procs.env)
+        assert url is not None
+        if what == "reply":
+            pg_query(url, """UPDATE {s}.replies SET body = '{"reply_id": 5}'""")
+        else:
+            pg_query(url, "UPDATE {s}.threads SET fence = -1000")
+        where = b"table replies key" if what == "reply" else b"table threads key"
     else:
         from singleflight.etcd.client import Cluster
 

@@ -313,6 +313,32 @@ def prune_locks(older_than: str, repo: str | None, dry_run: bool) -> None:
     _emit(prune.prune(_backend(), scope, older_than=age, dry_run=dry_run))
 
 
+@command(
+    "init-db",
+    Option("--print-sql", dest="print_sql", flag=True, help="print the statements for a DBA; run nothing"),
+)
+def init_db(print_sql: bool) -> None:
+    """Create the backend's tables now (a database backend: PostgreSQL), as its first use would;
+    with --print-sql, print the statements instead, for a DBA to run when pearing's role may not
+    create. The lock dir and etcd need no set-up."""
+    url = backend_url(state.given.get("url"), os.environ.get(ENV_BACKEND) or None)
+    scheme = schemes.scheme_of(url)
+    assert scheme is not None
+    # The store's own set-up, found through the scheme table (the CLI imports no backend).
+    setup = getattr(scheme.backend_class(), "setup_sql", None)
+    if setup is None:
+        raise UsageError(f"the {scheme.name} backend needs no set-up: init-db is for a database backend")
+    if print_sql:
+        sys.stdout.write(setup(url))
+        return
+    backend = _backend()
+    try:
+        backend.locks(None, idle=True)  # the first request creates the tables (or says why not: 77)
+    finally:
+        backend.close()
+    _emit({"backend": scheme.name, "ready": True})
+
+
 @command("get-thread-tree", SCOPE, THREAD, JSON)
 def get_thread_tree(repo: str, thread: str, as_json: bool) -> None:
     """Show a thread's replies, nested, and the highest fence it accepted. A tree on a terminal, JSON otherwise."""

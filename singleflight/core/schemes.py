@@ -47,6 +47,21 @@ SCHEMES: Final = (
         form="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
         check="singleflight.etcd.client:parse_url",
     ),
+    Scheme(
+        "postgres",
+        "postgresql://",
+        "singleflight.postgres.backend:PgBackend",
+        form="postgresql://USER[:PASS]@HOST[:PORT]/DB[?schema=NAME]",
+        check="singleflight.postgres.url:parse_url",
+    ),
+    # libpq's other spelling of the same URL: the same backend (no form of its own to list).
+    Scheme(
+        "postgres",
+        "postgres://",
+        "singleflight.postgres.backend:PgBackend",
+        form="",
+        check="singleflight.postgres.url:parse_url",
+    ),
 )
 DEFAULT: Final = SCHEMES[0]
 
@@ -57,7 +72,7 @@ def scheme_of(url: str) -> Scheme | None:
 
 def forms() -> str:
     """Every backend URL's form, for the one line that refuses another."""
-    return " or ".join(s.form for s in SCHEMES)
+    return " or ".join(s.form for s in SCHEMES if s.form)
 
 
 def help_text(default: str = "PEARING_BACKEND, else local") -> str:

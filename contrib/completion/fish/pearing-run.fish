@@ -21,7 +21,7 @@ complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l dedupe-win
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l skip-if -x -a '(__fish_complete_command)' -d 'after acquiring: exit 0 of CMD means already done'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l busy-exit-code -x -d 'exit code when busy (default 75)'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l identity -x -d 'who holds (default PEARING_IDENTITY or user@host)'
-complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l backend -x -d 'local or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (default PEARING_BACKEND, else local)'
+complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l backend -x -d 'local or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] or postgresql://USER[:PASS]@HOST[:PORT]/DB[?schema=NAME] (default PEARING_BACKEND, else local)'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l lock-dir -x -a '(__fish_complete_directories)' -d 'state dir (default PEARING_LOCK_DIR or per user)'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -s v -l verbose -d 'lifecycle lines on stderr'
 complete -c pearing-run -n 'not contains -- -- (commandline -opc)' -l queue -x -a 'fifo latest' -d 'latest: a newer waiter replaces older ones'

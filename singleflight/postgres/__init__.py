@@ -1,0 +1,1 @@
+"""The PostgreSQL backend: one database, many hosts (docs/backends.md)."""

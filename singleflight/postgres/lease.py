@@ -1,0 +1,324 @@
+"""The holder's lease in the database: kept with one UPDATE every third of the TTL, on the
+database's clock (``held_until``), and judged lost on the holder's own monotonic clock, counted
+from before the keep was sent: cut off for longer than the lease less a margin, COMMAND is
+stopped before the row can lapse and the next waiter be promoted.
+
+The ticket's own deadline (``--lease-seconds`` since the last renewal or heartbeat) is in its
+body and enforced here on the holder's clock, as on the other stores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from singleflight.core import proc
+from singleflight.core.const import EXPIRED, RELEASED, TYPE_CHECKING
+from singleflight.core.errors import BackendUnavailable
+from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.ticket import Ticket
+from singleflight.postgres import records
+from singleflight.postgres.db import Db
+from singleflight.postgres.line import body_of, channel, ticket_channel, to_ticket
+from singleflight.postgres.place import KEEP_SQL, PgGrip
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+# A holder that could not reach the server asks again this often, until its cut-off.
+_RETRY = 0.25
+# How often ``end`` looks again for guarded commands of its ticket, and how many rounds.
+_GUARD_POLL = 0.05
+_END_ROUNDS = 200
+
+
+class PgLease:
+    def __init__(
+        self, lk: Any, db: Db, grip: PgGrip, ticket: Ticket, *, margin: float, ver: int | None, reached: bool
+    ) -> None:
+        self.lk, self.db, self.grip, self.ticket = lk, db, grip, ticket
+        self.ttl, self.margin, self.kept_at = grip.ttl, margin, grip.kept_at
+        self.fence = grip.fence
+        self.deadline = ticket.lease_deadline_mono or time.monotonic()
+        # ``take`` recorded us and kept the lease in one statement (the version it wrote), found
+        # the row lost already (the first check says why), or could not reach the server.
+        self.unreachable = not reached
+        self.ver = ver
+        self.lapsed = reached and ver is None
+        self.gone = False
+        self._listen: Db | None = None
+        db.not_after = self._cut_off  # never blocked in a request past it
+        self._schedule()
+
+    def _cut_off(self) -> float:
+        return self.kept_at + self.ttl - self.margin
+
+    def _schedule(self) -> None:
+        cut_off = self._cut_off()
+        look = min(cut_off, time.monotonic() + _RETRY) if self.unreachable else self.kept_at + self.ttl / 3
+        self.ticket.lease_deadline_mono = min(self.deadline, cut_off, look)
+
+    def _body(self) -> str:
+        look = self.ticket.lease_deadline_mono
+        self.ticket.lease_deadline_mono = self.deadline
+        try:
+            return body_of(self.ticket)
+        finally:
+            self.ticket.lease_deadline_mono = look
+
+    def _keep(self) -> None:
+        sent = time.monotonic()
+        try:
+            rows = self.db.q(KEEP_SQL, (self.ttl, self.ticket.ticket_id))
+        except BackendUnavailable:
+            self.unreachable = True
+            return  # the cut-off stays where the last keep put it
+        self.unreachable = False
+        if not rows:
+            self.lapsed = True
+            self.ticket.lease_deadline_mono = sent
+            return
+        self.kept_at = sent
+
+    def _record(self) -> bool:
+        """Write the ticket into our row by compare-and-set on the version we last saw: never
+        over an end, a release or a heartbeat we have not seen (that one stands)."""
+        with contextlib.suppress(BackendUnavailable):
+            for _ in range(3):
+                with self.db.tx() as cur:
+                    sql = "SELECT body, ver, line AND hold AND fence = %s FROM {s}.tickets WHERE id = %s FOR UPDATE"
+                    row = self.db.one(cur, sql, (self.fence, self.ticket.ticket_id))
+                    if row is None or not row[2]:
+                        return False
+                    t = to_ticket(self.ticket.ticket_id, row[0])
+                    if not t.live:
+                        return False
+                    if self.ver is not None and row[1] != self.ver:
+                        self._follow(t, row[1])
+                        continue
+                    self.ticket.superseded_by = t.superseded_by
+                    self.db.ex(
+                        cur,
+                        "UPDATE {s}.tickets SET body = %s, ver = ver + 1 WHERE id = %s RETURNING ver",
+                        (self._body(), self.ticket.ticket_id),
+                    )
+                    self.ver = row[1] + 1
+                    return True
+        return False
+
+    def _follow(self, t: Ticket, ver: int) -> None:
+        """Another write (a heartbeat, a cancel request) came in: it stands."""
+        self.ver = ver
+        self.ticket.superseded_by = self.ticket.superseded_by or t.superseded_by
+        due = t.deadline_here()
+        if due is not None:
+            self.deadline = due
+            self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
+
+    def renew(self) -> None:
+        self.ticket.set_lease(self.ticket.lease_seconds)
+        self.ticket.boot_id = proc.boot_id()
+        self.deadline = self.ticket.lease_deadline_mono or time.monotonic()
+        self._keep()
+        if self.lapsed:
+            return
+        if not self.unreachable:
+            self._record()
+        self._schedule()
+
+    def check(self) -> Loss | None:
+        now = time.monotonic()
+        self._drain()
+        row = None
+        try:
+            if self.unreachable or now >= self.kept_at + self.ttl / 3:
+                self._keep()
+            if not self.unreachable and not self.lapsed:
+                row = self.db.q(
+                    "SELECT body, ver, line AND hold AND fence = %s FROM {s}.tickets WHERE id = %s",
+                    (self.fence, self.ticket.ticket_id),
+                )
+        except BackendUnavailable:
+            self.unreachable = True
+        if self.unreachable:
+            if now >= self.deadline:
+                return Loss(EndReason.LEASE_EXPIRED)
+            if now >= self._cut_off():
+                return Loss(EndReason.UNREACHABLE)
+            self._schedule()
+            return None
+        if not row or not row[0][2]:
+            t = to_ticket(self.ticket.ticket_id, row[0][0]) if row else None
+            if t is not None and t.state == RELEASED:
+                return Loss(EndReason.RELEASED_BY_OWNER)
+            return Loss(EndReason.LEASE_EXPIRED)
+        t = to_ticket(self.ticket.ticket_id, row[0][0])
+        if not t.live:
+            if t.state == RELEASED:
+                return Loss(EndReason.RELEASED_BY_OWNER)
+            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
+        self.ver = row[0][1]
+        if t.superseded_by:
+            self.ticket.superseded_by = t.superseded_by
+            return Loss(EndReason.SUPERSEDED, t.superseded_by)
+        due = t.deadline_here()
+        if due is not None and due <= time.monotonic():
+            return Loss(EndReason.LEASE_EXPIRED)
+        self.deadline = due if due is not None else self.deadline
+        self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
+        self._schedule()
+        return None
+
+    # -- a cancel request, by NOTIFY on the holder's own channel -------------------------------
+
+    def wake_fd(self) -> int | None:
+        if not self.ticket.cancel_in_progress or not self.db.url.listen:
+            return None
+        if self._listen is None:
+            listener = Db(self.lk.backend.url, timeout=self.db.timeout)
+            try:
+                listener.q(f'LISTEN "{ticket_channel(self.db, self.ticket.ticket_id)}"')
+            except BackendUnavailable:
+                listener.close()
+                return None
+            self._listen = listener
+        return self._listen.conn().fileno()
+
+    def _drain(self) -> None:
+        if self._listen is not None:
+            try:
+                while self._listen.notified(0):
+                    pass
+            except BackendUnavailable:
+                self._listen.close()
+                self._listen = None
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def _await_guards(self) -> bool:
+        """Until no guarded command of our ticket is in flight, our lease kept meanwhile. False:
+        lost, or the server out of reach until the cut-off."""
+        for _ in range(_END_ROUNDS * 100):
+            try:
+                rows = self.db.q(
+                    "SELECT 1 FROM {s}.guards WHERE ticket_id = %s AND until > clock_timestamp()",
+                    (self.ticket.ticket_id,),
+                )
+            except BackendUnavailable:
+                return False
+            if not rows:
+                return True
+            if time.monotonic() >= self._cut_off() or self.lapsed:
+                return False
+            if time.monotonic() >= self.kept_at + self.ttl / 3:
+                self._keep()
+            time.sleep(_GUARD_POLL)
+        return False
+
+    def end(self, state: str, reason: str) -> None:
+        """The token dies once the guarded commands of its ticket have ended. Released: the row
+        leaves the line in the same step (the next waiter is woken); else it stays, ended, until
+        ``release``: the lock is ours while COMMAND is being stopped."""
+        if self.unreachable or not self._await_guards():
+            return
+        with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
+            row = self.db.one(
+                cur,
+                "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s FOR UPDATE",
+                (self.ticket.ticket_id, self.fence),
+            )
+            if row is None or not to_ticket(self.ticket.ticket_id, row[0]).live:
+                return  # gone, or ended by its owner: that end stands
+            self.ticket.end(state, reason)
+            leave = state == RELEASED
+            self.db.ex(
+                cur,
+                """UPDATE {s}.tickets SET body = %s, ver = ver + 1, ended_at = clock_timestamp(),
+                   line = line AND NOT %s, hold = hold AND NOT %s WHERE id = %s""",
+                (self._body(), leave, leave, self.ticket.ticket_id),
+            )
+            if leave:
+                self.gone = True
+                self.db.ex(cur, "SELECT pg_notify(%s, '')", (channel(self.db, self.lk.repo, self.lk.lock),))
+
+    def keep(self) -> None:
+        if not self.unreachable:
+            with contextlib.suppress(BackendUnavailable):
+                self.db.q(KEEP_SQL, (self.ttl, self.ticket.ticket_id))
+
+    def release(self, announce: Callable[[], None]) -> None:
+        """Our row leaves the line: the next waiter is woken now. (Unreachable: it lapses.)"""
+        if self._listen is not None:
+            self._listen.close()
+        if not self.gone:
+            with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
+                rows = self.db.ex(
+                    cur,
+                    """UPDATE {s}.tickets SET line = false, hold = false, ver = ver + 1,
+                       ended_at = COALESCE(ended_at, clock_timestamp()) WHERE id = %s AND line AND fence = %s
+                       RETURNING 1""",
+                    (self.ticket.ticket_id, self.fence),
+                )
+                if rows:
+                    self.db.ex(cur, "SELECT pg_notify(%s, '')", (channel(self.db, self.lk.repo, self.lk.lock),))
+        announce()
+        self._housekeeping()
+
+    def _housekeeping(self) -> None:
+        """After the hand-over: ended tickets older than their retention, expired records and lapsed
+        guards go."""
+        with contextlib.suppress(BackendUnavailable):
+            self.db.q(
+                """DELETE FROM {s}.tickets WHERE NOT line AND ended_at < clock_timestamp() - interval '1 hour'
+                   AND scope = %s AND name = %s""",
+                (self.lk.repo, self.lk.lock),
+            )
+            self.db.q(f"DELETE FROM {{s}}.records r WHERE r.expires_at < clock_timestamp() AND NOT {records.LIVE}")
+            # A guarded command killed before it let go leaves its row; lapsed, nobody waits for it.
+            self.db.q("DELETE FROM {s}.guards WHERE until < clock_timestamp() - interval '1 minute'")
+        self.db.close()
+
+
+def end_superseded(lease: PgLease, stands: Callable[[str], bool], keep: Callable[[], None], every: float) -> str | None:
+    """The holder's token dies for the request in its row, once no guarded command of its ticket
+    is in flight, only if ``stands(by)``, judged and ended under the row's lock."""
+    if not lease._await_guards():
+        return None
+    try:
+        row = lease.db.q(
+            "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s",
+            (lease.ticket.ticket_id, lease.fence),
+        )
+        if not row:
+            return None
+        by = to_ticket(lease.ticket.ticket_id, row[0][0]).superseded_by
+        if not by:
+            return None
+        standing = stands(by)
+        with lease.db.tx() as cur:
+            row2 = lease.db.one(
+                cur,
+                "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s FOR UPDATE",
+                (lease.ticket.ticket_id, lease.fence),
+            )
+            if row2 is None:
+                return None
+            t = to_ticket(lease.ticket.ticket_id, row2[0])
+            if not t.live or t.superseded_by != by:
+                return None
+            if standing:
+                t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
+            else:
+                t.superseded_by = None
+            lease.db.ex(
+                cur,
+                "UPDATE {s}.tickets SET body = %s, ver = ver + 1 WHERE id = %s",
+                (body_of(t), t.ticket_id),
+            )
+            if standing:
+                lease.ticket.superseded_by = by
+                lease.ticket.end(EXPIRED, EndReason.SUPERSEDED.text(by))
+            return by if standing else None
+    except BackendUnavailable:
+        return None

@@ -1,0 +1,91 @@
+"""A throwaway PostgreSQL cluster on loopback for the tests (Debian's postgresql).
+
+``initdb`` in a temp dir (as the ``postgres`` user when the tests run as root), trust auth,
+listening on 127.0.0.1 on a free port with its unix socket in the temp dir; stopped at the end.
+The server can be stopped, started, paused (SIGSTOP) and resumed to inject faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+BIN = next((b for b in _BINS if os.path.exists(f"{b}/initdb")), None)
+PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_owner() -> list[str]:
+    """Postgres refuses to run as root: as the ``postgres`` user then."""
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+class PgCluster:
+    def __init__(self, root: Path) -> None:
+        assert BIN is not None
+        self.root = root
+        self.data = root / "data"
+        self.port = free_port()
+        if os.geteuid() == 0:
+            shutil.chown(root, "postgres", "postgres")
+            os.chmod(root, 0o700)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*_as_owner(), *argv], check=True, capture_output=True, timeout=60)
+
+    def init(self) -> None:
+        self._run(f"{BIN}/initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def start(self) -> None:
+        opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c max_connections=300"
+        self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def pid(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
+
+    def pause(self) -> None:
+        """SIGSTOP the postmaster and every backend: the server stops answering (connections stay)."""
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _pids(self) -> list[int]:
+        main = self.pid()
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(main)], capture_output=True, text=True, check=False)
+        return [main, *(int(p) for p in out.stdout.split())]
+
+    def sql(self, statement: str) -> str:
+        assert BIN is not None
+        r = subprocess.run(
+            [f"{BIN}/psql", self.url, "-At", "-v", "ON_ERROR_STOP=1", "-c", statement],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return r.stdout

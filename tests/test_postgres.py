@@ -1,0 +1,302 @@
+"""What is about the PostgreSQL backend alone: the masked password, the role that may not
+create (77), a corrupt row (74), init-db, and the server's faults (restart, a terminated
+connection, SIGSTOP past the lease, a waiter killed with -9) with 0 overlaps and fences only
+rising. Run only with PEARING_TEST_POSTGRES=1 (conftest.py).
+
+COMMANDs log "NAME start T" / "NAME end T" (tests/interval_cmd.py, CLOCK_MONOTONIC) and their
+fence; "never two COMMANDs" and "fences only rise" are asserted on those."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import WITH_POSTGRES, require_postgres
+from helpers import PEARING_CLI, Procs, pg_query, q, wait_for
+from pg_cluster import PGBOUNCER, PgCluster, free_port
+
+from singleflight.core.const import ENV_BACKEND, ENV_METRICS_DIR, ExitCode
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(not WITH_POSTGRES, reason="PEARING_TEST_POSTGRES=1 runs the postgres tests"),
+]
+
+BUSY, NOPERM, IOERR = 75, 77, 74
+
+
+def _tenant(pg: PgCluster) -> str:
+    return f"{pg.url}?schema=t_{uuid.uuid4().hex[:12]}"
+
+
+def test_the_password_is_never_printed(procs: Procs) -> None:
+    """A server that cannot be reached: the error names the URL with its password masked."""
+    secret = f"s3cret{uuid.uuid4().hex[:8]}"
+    procs.env[ENV_BACKEND] = f"postgresql://me:{secret}@127.0.0.1:{free_port()}/db"
+    r = procs.pr_run("--job", "J", "--wait-seconds", "0", "--", "true")
+    assert r.returncode == BUSY, r
+    assert secret not in r.stderr.decode() + r.stdout.decode(), r
+    assert "me:***@127.0.0.1" in r.stderr.decode(), r
+    bad = procs.pr_run("--backend", f"postgresql://me:{secret}@127.0.0.1:x/db", "--job", "J", "--", "true")
+    assert bad.returncode == 64 and secret not in bad.stderr.decode(), bad
+
+
+def test_the_password_is_in_no_output_of_a_working_run(postgres: PgCluster, procs: Procs, work: Path) -> None:
+    """A server that takes the URL (trust auth ignores the password): a verbose run, its metrics
+    and status, while held and after, never show the password."""
+    secret = f"s3cret{uuid.uuid4().hex[:8]}"
+    procs.env[ENV_BACKEND] = f"postgresql://postgres:{secret}@127.0.0.1:{postgres.port}/postgres?schema=t_{secret}"
+    procs.env[ENV_METRICS_DIR] = str(work / "metrics")
+    gate = work / "go"
+    held = procs.pr(
+        "-v", "--job", "J", "--", "sh", "-c", f"touch {q(work / 'in')}; while [ ! -e {q(gate)} ]; do sleep 0.05; done"
+    )
+    wait_for((work / "in").exists, 15, "the run to hold")
+    outputs = [procs.run([PEARING_CLI, "status"]), procs.run([PEARING_CLI, "status", "J"])]
+    gate.touch()
+    outputs.append(procs.finish(held))
+    outputs.append(procs.run([PEARING_CLI, "status", "--idle"]))
+    assert [r.returncode for r in outputs] == [0, 0, 0, 0], outputs
+    shown = b"".join(r.stdout + r.stderr for r in outputs)
+    metrics = [f for f in (work / "metrics").rglob("*") if f.is_file()]
+    assert metrics, "no metrics written"
+    shown += b"".join(f.read_bytes() for f in metrics)
+    assert secret.encode() not in shown
+
+
+def test_without_the_driver_one_line_and_69(procs: Procs, tmp_path: Path) -> None:
+    """The postgres extra not installed: one line naming the extra, 69 (a missing part), not 75."""
+    fake = tmp_path / "nodriver" / "psycopg"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no psycopg here')\n")
+    procs.env["PYTHONPATH"] = str(fake.parent)
+    procs.env[ENV_BACKEND] = f"postgresql://me@127.0.0.1:{free_port()}/db"
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == ExitCode.UNAVAILABLE, r
+    assert len(r.err_lines) == 1 and "pearing-singleflight[postgres]" in r.err_lines[0], r
+
+
+def test_a_role_that_may_not_create_gets_77(postgres: PgCluster, procs: Procs) -> None:
+    role = f"r{uuid.uuid4().hex[:10]}"
+    postgres.sql(f"CREATE ROLE {role} LOGIN")
+    procs.env[ENV_BACKEND] = f"postgresql://{role}@127.0.0.1:{postgres.port}/postgres?schema=t_{role}"
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == NOPERM, r
+    assert len(r.err_lines) == 1 and "init-db --print-sql" in r.err_lines[0], r
+
+
+def test_a_corrupt_row_is_74_naming_table_and_key(postgres: PgCluster, procs: Procs) -> None:
+    url = procs.env[ENV_BACKEND] = _tenant(postgres)
+    assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+    pg_query(url, "UPDATE {s}.locks SET fence = -5 WHERE name = 'J'")
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == IOERR, r
+    assert "table locks key default/J" in r.stderr.decode(), r
+
+
+def test_init_db_prints_the_ddl_and_a_dba_can_run_it(postgres: PgCluster, procs: Procs) -> None:
+    """The DDL a DBA runs for a role that may not create; that role then works without CREATE."""
+    role = f"r{uuid.uuid4().hex[:10]}"
+    url = f"postgresql://{role}@127.0.0.1:{postgres.port}/postgres?schema=t_{role}"
+    printed = procs.run([PEARING_CLI, "--backend", url, "init-db", "--print-sql"])
+    assert printed.returncode == 0, printed
+    ddl = printed.stdout.decode()
+    assert f'CREATE SCHEMA IF NOT EXISTS "t_{role}"' in ddl and "pearing_schema" in ddl, ddl
+    postgres.sql(f"CREATE ROLE {role} LOGIN")
+    postgres.sql(
+        ddl + f'GRANT USAGE ON SCHEMA "t_{role}" TO {role};'
+        f'GRANT ALL ON ALL TABLES IN SCHEMA "t_{role}" TO {role};'
+        f'GRANT ALL ON ALL SEQUENCES IN SCHEMA "t_{role}" TO {role};'
+    )
+    procs.env[ENV_BACKEND] = url
+    r = procs.pr_run("--job", "J", "--", "true")
+    assert r.returncode == 0, r
+    local = procs.run([PEARING_CLI, "--backend", "local", "init-db", "--print-sql"])
+    assert local.returncode == 64, local
+
+
+# -- faults of the server ---------------------------------------------------------------------
+
+INTERVAL_CMD = str(Path(__file__).with_name("interval_cmd.py"))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[PgCluster]:
+    """A cluster of this module's own: its faults (restart, SIGSTOP) reach no other test."""
+    require_postgres()
+    cluster = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pgf-")))
+    try:
+        cluster.init()
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.resume()
+        cluster.stop("immediate")
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+def contender(
+    procs: Procs, work: Path, name: str, *, lease: str, seconds: float, grace: str = "2"
+) -> subprocess.Popen[bytes]:
+    """A run whose COMMAND logs its fence, then its interval (0.2 s to exit on SIGTERM)."""
+    log, fences = work / "log", work / "fences"
+    script = (
+        f"echo {name} $PEARING_FENCE >> {q(fences)}; exec {sys.executable} {INTERVAL_CMD} {q(log)} {name} {seconds} 0.2"
+    )
+    return procs.pr(
+        "--job", "J", "--lease-seconds", lease, "--kill-grace", grace, "--wait-seconds", "60", "--", "sh", "-c", script
+    )
+
+
+def intervals(work: Path) -> dict[str, tuple[float, float | None]]:
+    out: dict[str, list[float | None]] = {}
+    for line in (work / "log").read_text().splitlines():
+        name, what, stamp = line.split()
+        out.setdefault(name, [None, None])[0 if what == "start" else 1] = float(stamp)
+    return {k: (v[0] or 0.0, v[1]) for k, v in out.items()}
+
+
+def assert_safe(work: Path) -> list[str]:
+    """No two COMMANDs at once, and each later one under a higher fence; the names, in order."""
+    spans = intervals(work)
+    order = sorted(spans, key=lambda n: spans[n][0])
+    for a, b in itertools.pairwise(order):
+        end = spans[a][1]
+        assert end is not None and end <= spans[b][0], f"{a} {spans[a]} overlaps {b} {spans[b]}"
+    fences = dict(line.split() for line in (work / "fences").read_text().splitlines())
+    ran = [int(fences[n]) for n in order]
+    assert ran == sorted(set(ran)), f"fences not strictly rising in run order: {list(zip(order, ran, strict=True))}"
+    return order
+
+
+def started(work: Path, name: str) -> bool:
+    log = work / "log"
+    return log.exists() and f"{name} start" in log.read_text()
+
+
+def waiting(url: str, n: int) -> bool:
+    rows = pg_query(url, "SELECT count(*) FROM {s}.tickets WHERE line AND NOT hold")
+    return bool(rows and rows[0][0] >= n)
+
+
+def test_a_server_restart_mid_run(server: PgCluster, procs: Procs, work: Path) -> None:
+    url = procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="8", seconds=4)
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    others = [contender(procs, work, n, lease="8", seconds=0.3) for n in ("B", "C")]
+    wait_for(lambda: waiting(url, 2), 15, "B and C to queue")
+    server.stop("fast")
+    server.start()
+    assert procs.finish(a, timeout=60).returncode == 0
+    codes = [procs.finish(p, timeout=60).returncode for p in others]
+    assert set(codes) <= {0, BUSY}, codes  # a waiter whose place lapsed while the server was down leaves busy
+    assert assert_safe(work)[0] == "A"
+
+
+def test_the_holders_connection_terminated(server: PgCluster, procs: Procs, work: Path) -> None:
+    """Every pearing connection, the holder's among them, terminated by the server mid-run."""
+    url = procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="6", seconds=3)
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    b = contender(procs, work, "B", lease="6", seconds=0.3)
+    wait_for(lambda: waiting(url, 1), 15, "B to queue")
+    server.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'pearing'")
+    assert procs.finish(a, timeout=60).returncode == 0
+    assert procs.finish(b, timeout=60).returncode == 0
+    assert assert_safe(work) == ["A", "B"]
+
+
+def test_the_server_stopped_past_the_lease(server: PgCluster, procs: Procs, work: Path) -> None:
+    """SIGSTOP longer than the lease: the holder gives up on its own clock and stops COMMAND
+    before the server, resumed, can promote the next; that one runs after it."""
+    url = procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="3", grace="0.5", seconds=30)
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    b = contender(procs, work, "B", lease="3", seconds=0.3)
+    wait_for(lambda: waiting(url, 1), 15, "B to queue")
+    server.pause()
+    try:
+        assert procs.finish(a, timeout=30).returncode == ExitCode.LEASE_LOST
+    finally:
+        server.resume()
+    assert procs.finish(b, timeout=60).returncode in (0, BUSY)
+    order = assert_safe(work)
+    assert order[0] == "A", order
+
+
+def test_a_waiter_killed_with_minus_9(server: PgCluster, procs: Procs, work: Path) -> None:
+    """A killed waiter stops blocking within 5 s: the one behind it runs soon after the holder."""
+    url = procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="6", seconds=1.5)
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    b = contender(procs, work, "B", lease="6", seconds=0.3)
+    wait_for(lambda: waiting(url, 1), 15, "B to queue")
+    c = contender(procs, work, "C", lease="6", seconds=0.3)
+    wait_for(lambda: waiting(url, 2), 15, "C to queue")
+    with contextlib.suppress(ProcessLookupError):
+        b.send_signal(signal.SIGKILL)
+    assert procs.finish(a, timeout=60).returncode == 0
+    assert procs.finish(c, timeout=60).returncode == 0
+    spans = intervals(work)
+    assert "B" not in spans
+    end_a = spans["A"][1]
+    assert end_a is not None and spans["C"][0] - end_a < 5.0, spans
+    assert assert_safe(work) == ["A", "C"]
+
+
+# -- a pooler in transaction mode -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bouncer(server: PgCluster) -> Iterator[int]:
+    """PgBouncer in transaction mode in front of the module's server; its port."""
+    if PGBOUNCER is None:
+        pytest.skip("pgbouncer not installed")
+    port = free_port()
+    root = Path(tempfile.mkdtemp(prefix="pearing-pgb-"))
+    ini = root / "pgbouncer.ini"
+    ini.write_text(
+        f"[databases]\npostgres = host=127.0.0.1 port={server.port} dbname=postgres\n"
+        f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = trust\npool_mode = transaction\nmax_client_conn = 200\ndefault_pool_size = 20\n"
+        f"auth_file = {root / 'users.txt'}\nlogfile = {root / 'log'}\npidfile = {root / 'pid'}\n"
+    )
+    (root / "users.txt").write_text('"postgres" ""\n')
+    owner = []
+    if os.geteuid() == 0:  # pgbouncer refuses to run as root
+        for f in (root, *root.iterdir()):
+            shutil.chown(f, "postgres", "postgres")
+        owner = ["runuser", "-u", "postgres", "--"]
+    proc = subprocess.Popen([*owner, PGBOUNCER, str(ini)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(
+            lambda: "listening on" in ((root / "log").read_text() if (root / "log").exists() else ""), 15, "pgbouncer"
+        )
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("listen", ["0", "1"])
+def test_through_pgbouncer_in_transaction_mode(bouncer: int, procs: Procs, work: Path, listen: str) -> None:
+    """listen=0: waiters poll instead of LISTEN (the pooler keeps no session); no advisory lock
+    and nothing else of a session is relied on, so hand-overs work through it. Left at LISTEN
+    by mistake, a waiter still looks every second: slower hand-overs, never a stuck line."""
+    procs.env[ENV_BACKEND] = (
+        f"postgresql://postgres@127.0.0.1:{bouncer}/postgres?schema=t_{uuid.uuid4().hex[:12]}&listen={listen}"
+    )
+    runs = [contender(procs, work, n, lease="6", seconds=0.3) for n in ("A", "B", "C", "D")]
+    assert [procs.finish(p, timeout=60).returncode for p in runs] == [0, 0, 0, 0]
+    assert sorted(assert_safe(work)) == ["A", "B", "C", "D"]
