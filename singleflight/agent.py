@@ -46,11 +46,37 @@ from singleflight.rules import tickets
 _WAIT_ONLY = "wait"
 
 
+# The start message is a line of a few hundred bytes; a stdin that goes on past this is not one.
+_MAX_START = 65536
+
+
+def _read_start() -> str:
+    """The start message, on stdin (never in argv: it names the backend's URL, which may carry a
+    password); stdin is /dev/null afterwards."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= _MAX_START and (chunk := os.read(0, 65536)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:  # fd 0 closed, or not readable
+        raise ValueError(f"no start message on stdin ({exc.strerror})") from None
+    finally:
+        null = os.open(os.devnull, os.O_RDONLY)
+        if null != 0:
+            os.dup2(null, 0)
+            os.close(null)
+    data = b"".join(chunks)
+    if size > _MAX_START:
+        raise ValueError(f"a start message is under {_MAX_START} bytes")
+    return data.decode(errors="replace").rstrip("\n")
+
+
 def main(argv: list[str]) -> int:
     try:
-        if len(argv) != 1:
-            raise ValueError(f"one argument, a start message, not {len(argv)}")
-        start = protocol.AgentStart.from_word(argv[0])
+        if argv:
+            raise ValueError(f"no arguments (the start message comes on stdin), not {len(argv)}")
+        start = protocol.AgentStart.from_word(_read_start())
     except ValueError as exc:
         # Only ops starts an agent: this is a bug, or someone running it by hand (with fd 2
         # closed, Python has no sys.stderr: the exit code alone says it).

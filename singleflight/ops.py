@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # How long acquire-lock waits for its agent to start and report, beyond --wait-seconds.
 _AGENT_START_SECONDS = 15.0
 # ``control`` for an owner that answers for its ticket only while it waits (pearing-mcp:
-# once held, the ticket is its client's); the agent's argv word (singleflight.agent).
+# once held, the ticket is its client's); the agent's start message says it (singleflight.agent).
 CONTROL_WAIT: Final = "wait"
 # How often a wait that may be stopped (``stopped``) looks whether it was.
 _STOP_POLL = 0.2
@@ -220,15 +220,25 @@ def _start_agent(
         control_fd=ctl_r,
         mode=control,
     )
-    argv = [sys.executable, "-m", "singleflight.agent", start.message().encode()]
+    # The start message goes on the agent's stdin, never in its argv: a backend URL may carry a
+    # password, and any user of the host can read a process's argv (/proc/PID/cmdline). It is
+    # written whole before the spawn (a few hundred bytes; a pipe holds 64 KiB), then read to EOF.
+    msg_r, msg_w = os.pipe()
+    fds.append(msg_r)
+    try:
+        data = memoryview((start.message().encode() + "\n").encode())
+        while data:
+            data = data[os.write(msg_w, data) :]
+    finally:
+        os.close(msg_w)
     import subprocess  # here: heartbeat, status and release never start an agent (~8 ms with threading's kin)
 
     chan = Channel(r, ctl_w)
     _channels.add(chan)
     try:
         proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "singleflight.agent"],
+            stdin=msg_r,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             pass_fds=fds,

@@ -71,10 +71,28 @@ def test_an_agents_start_message_round_trips_and_bad_ones_are_refused() -> None:
         raise AssertionError(f"accepted {bad!r}")
 
 
-@pytest.mark.parametrize("argv", [[], ["local", "/tmp", "default", "j", "t", "5"], ["start {not json"]])
-def test_the_agent_started_by_hand_says_what_it_needs_and_exits_64(argv: list[str]) -> None:
+_START = protocol.AgentStart(backend="local", lock_dir="/tmp/ld", repo="a/b", lock="j", ticket="t-1", report_fd=7)
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdin"),
+    [
+        ([], ""),  # no start message
+        ([], "start {not json"),
+        ([], "x" * 70000),  # longer than any start message
+        (["local", "/tmp", "default", "j", "t", "5"], ""),
+        # The message in argv, as agents once took it: refused (argv is readable by any user).
+        ([_START.message().encode()], ""),
+    ],
+)
+def test_the_agent_started_by_hand_says_what_it_needs_and_exits_64(argv: list[str], stdin: str) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "singleflight.agent", *argv], capture_output=True, text=True, timeout=30, check=False
+        [sys.executable, "-m", "singleflight.agent", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert r.returncode == ExitCode.USAGE, r
     assert r.stderr.startswith("singleflight.agent: error: ") and r.stderr.count("\n") == 1, r

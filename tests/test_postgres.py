@@ -63,10 +63,20 @@ def test_the_password_is_in_no_output_of_a_working_run(postgres: PgCluster, proc
     )
     wait_for((work / "in").exists, 15, "the run to hold")
     outputs = [procs.run([PEARING_CLI, "status"]), procs.run([PEARING_CLI, "status", "J"])]
+    # A CLI ticket's agent (it holds K now, detached) and the run's wrapper and holder: no argv
+    # on the host shows the password (any user may read /proc/PID/cmdline).
+    agent = procs.run([PEARING_CLI, "acquire-lock", "K", "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "30"])
+    outputs.append(agent)
+    argvs = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            argvs.append(cmdline.read_bytes())
+    assert any(b"singleflight.agent" in a for a in argvs), "the agent is not running"
+    assert not [a for a in argvs if secret.encode() in a], "a process's argv shows the password"
     gate.touch()
     outputs.append(procs.finish(held))
     outputs.append(procs.run([PEARING_CLI, "status", "--idle"]))
-    assert [r.returncode for r in outputs] == [0, 0, 0, 0], outputs
+    assert [r.returncode for r in outputs] == [0, 0, 0, 0, 0], outputs
     shown = b"".join(r.stdout + r.stderr for r in outputs)
     metrics = [f for f in (work / "metrics").rglob("*") if f.is_file()]
     assert metrics, "no metrics written"

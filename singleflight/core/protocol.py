@@ -18,7 +18,7 @@ fd. Through ``_socket``, not ``socket``: the module costs milliseconds to import
                                                 TICKS: now, on the clock of /proc's start times
                       started PID STAMP         COMMAND (or the Lock's process) runs
                       exited STATUS|unknown     it ended: record, release, hand over
-    owner -> agent    start {json}              its one argv word (``python -m singleflight.agent``):
+    owner -> agent    start {json}              on its stdin, never argv (``python -m singleflight.agent``):
                                                 backend, lock_dir, repo, lock, ticket, report_fd,
                                                 control_fd (-1: none), mode (auto, manual, wait;
                                                 null without control_fd)
@@ -135,7 +135,7 @@ class AgentStart:
 
     @classmethod
     def from_word(cls, word: str) -> AgentStart:
-        """The ``start`` message of an agent's argv; ValueError naming what is wrong."""
+        """The ``start`` message an agent read on its stdin; ValueError naming what is wrong."""
         msg = decode(word)
         if msg.kind != START:
             raise ValueError(f"not a start message: {word[:80]!r}")
