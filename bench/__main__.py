@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import growth, memory, stages
-from bench.chain import FLOCK, etcd_member, wait_for
+from bench.chain import FLOCK, etcd_member, pg_member, wait_for
 from bench.chain import chain as _chain
 from bench.chain import env as _env
 
@@ -150,6 +150,31 @@ def etcd_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
     for k, v in res.items():
         out[k] = {"p50_ms": statistics.median(v), "p99_ms": _pct(v, 99), "max_ms": max(v), "n": len(v)}
     out["p50_difference_ms"] = out["pearing-run --backend etcd"]["p50_ms"] - out["etcdctl lock"]["p50_ms"]
+    return out
+
+
+def stores_handover(tmp: Path, length: int, chains: int) -> dict[str, Any] | None:
+    """pearing-run's hand-over on each store, chains alternating in one run: PostgreSQL (a
+    throwaway server on loopback), etcd (one member on loopback) and the lock dir. Skipped without
+    PostgreSQL's server or the postgres extra; etcd's column is left out without etcd."""
+    with pg_member() as pg, etcd_member(tmp / "etcd-stores") as etcd:
+        if pg is None:
+            return None
+        stores = {"postgres": pg, "etcd": etcd, "lock dir": None}
+        if etcd is None:
+            del stores["etcd"]
+        for url in stores.values():
+            _chain("pearing", 2, tmp, backend=url)  # warm-up (and the postgres schema made)
+        res: dict[str, list[float]] = {k: [] for k in stores}
+        fifo = True
+        for _ in range(chains):
+            for name, url in stores.items():
+                gaps = _chain("pearing", length, tmp, backend=url)
+                fifo &= gaps != [-1.0]
+                res[name] += gaps
+    out: dict[str, Any] = {"chain_length": length, "chains": chains, "fifo_kept": fifo}
+    for k, v in res.items():
+        out[k] = {"p50_ms": statistics.median(v), "p99_ms": _pct(v, 99), "max_ms": max(v), "n": len(v)}
     return out
 
 
@@ -312,6 +337,19 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
+    sh = r.get("stores")
+    if sh:
+        lines += [
+            "",
+            f"== hand-over on each store (pearing-run; servers on loopback), chains of {sh['chain_length']} =="
+            f"{'store':<30} {'p50':>8} {'p99':>8} {'max':>8}",
+        ]
+        for k in ("postgres", "etcd", "lock dir"):
+            if k in sh:
+                lines.append(f"{k:<30} {sh[k]['p50_ms']:>8.1f} {sh[k]['p99_ms']:>8.1f} {sh[k]['max_ms']:>8.1f}")
+        lines.append(f"FIFO kept: {sh['fifo_kept']}")
+    else:
+        lines += ["", "== hand-over on each store: skipped (needs PostgreSQL's server and the postgres extra) =="]
     lines += growth.table(r["growth"])
     lines += memory.table(r["memory"])
     st = r.get("stages")
@@ -335,6 +373,7 @@ def main() -> int:
             "expiry": expiry(tmp, 3 if q else 20),
             "many_locks": many_locks(tmp, 200 if q else 10000),
             "etcd": etcd_handover(tmp, 5 if q else 10, 1 if q else 3),
+            "stores": stores_handover(tmp, 5 if q else 10, 1 if q else 3),
             "growth": growth.growth(tmp, q),
             "memory": memory.memory(tmp, 3 if q else 10, _env(tmp / "memory")),
             "stages": stages.stages(1 if q else 10),

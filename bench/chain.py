@@ -1,10 +1,12 @@
 """What the benchmark's sections share: a clean environment, a bounded wait, the hand-over chain
-(``chain``) and a one-member etcd on loopback (``etcd_member``). ``python -m bench`` and
+(``chain``), a one-member etcd on loopback (``etcd_member``) and a throwaway PostgreSQL server on
+loopback (``pg_member``). ``python -m bench`` and
 ``python -m bench.growth`` both measure hand-overs with ``chain``, so their numbers compare."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import socket
@@ -21,6 +23,10 @@ RUN = str(BIN / "pearing-run")
 FLOCK = shutil.which("flock")
 ETCD = shutil.which("etcd")
 ETCDCTL = shutil.which("etcdctl")
+# Debian's server binaries are off PATH, one directory a major version.
+PG_BIN = next(
+    (b for b in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True) if os.path.exists(f"{b}/initdb")), None
+)
 
 
 def env(lock_dir: Path) -> dict[str, str]:
@@ -65,7 +71,9 @@ def chain(
     hold = f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.002; done; date +%s%N > {d}/h"
     lock = str(d / "flock.lock")
     etcdctl = (
-        [str(ETCDCTL), "--endpoints", endpoints(backend), "lock", mutex_prefix(backend, job), "--"] if backend else []
+        [str(ETCDCTL), "--endpoints", endpoints(backend), "lock", mutex_prefix(backend, job), "--"]
+        if tool == "etcdctl"
+        else []
     )
     if tool == "pearing":
         head = [RUN, "--job", job, "--", "sh", "-c", hold]
@@ -90,7 +98,7 @@ def chain(
             qdir = lock_dir / f"locks/default/@{job}/queue"
             wait_for(lambda n=i + 1, q=qdir: queued(q) >= n, 20, "enqueue")
         elif backend:
-            wait_for(lambda n=i + 2: etcd_queued(backend, job) >= n, 20, "enqueue on etcd")
+            wait_for(lambda n=i + 2: in_line(backend, job) >= n, 20, "enqueue")
     # flock(1) has no queue to watch: give its waiters time to block in the kernel.
     if tool == "flock":
         time.sleep(0.2 + waiters * 0.005)
@@ -116,6 +124,22 @@ def chain(
 
 def queued(qdir: Path) -> int:
     return len([q for q in os.listdir(qdir) if q[0].isdigit()]) if qdir.exists() else 0
+
+
+def in_line(url: str, job: str) -> int:
+    """The tickets in (default, ``job``)'s line on a network store, its holder's included."""
+    return pg_in_line(url, job) if url.startswith(("postgresql://", "postgres://")) else etcd_queued(url, job)
+
+
+def pg_in_line(url: str, job: str) -> int:
+    from singleflight.postgres.db import Db
+
+    db = Db(url)
+    try:
+        sql = "SELECT count(*) FROM {s}.tickets WHERE line AND scope = 'default' AND name = %s"
+        return int(db.q(sql, (job,))[0][0])
+    finally:
+        db.close()
 
 
 def etcd_queued(url: str, job: str) -> int:
@@ -176,3 +200,42 @@ def etcd_member(data_dir: Path) -> Iterator[str | None]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def pg_member() -> Iterator[str | None]:
+    """A throwaway PostgreSQL server on loopback (``initdb`` in a temp dir of its own, trust auth,
+    as the ``postgres`` user when we are root: the server refuses to run as root, and so cannot
+    enter the benchmark's own private temp dir), as a ``postgresql://`` URL; None without the
+    server's binaries or the postgres extra's driver."""
+    try:
+        import psycopg  # noqa: F401 - only whether the extra is installed
+    except ImportError:
+        yield None
+        return
+    if PG_BIN is None:
+        yield None
+        return
+    owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    root = Path(tempfile.mkdtemp(prefix="pearing-bench-pg-"))
+    if owner:
+        shutil.chown(root, "postgres", "postgres")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    data = root / "data"
+
+    def run(*argv: str) -> None:
+        subprocess.run([*owner, *argv], check=True, capture_output=True, timeout=120)
+
+    try:
+        run(f"{PG_BIN}/initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        opts = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c max_connections=400"
+        run(f"{PG_BIN}/pg_ctl", "-D", str(data), "-o", opts, "-l", str(root / "log"), "-w", "start")
+        try:
+            yield f"postgresql://postgres@127.0.0.1:{port}/postgres?schema=bench"
+        finally:
+            with contextlib.suppress(subprocess.SubprocessError):
+                run(f"{PG_BIN}/pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
