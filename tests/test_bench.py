@@ -36,6 +36,13 @@ def test_bench_quick_runs_every_section(tmp_path: Path) -> None:
     assert result["many_locks"]["status_listed"] == 200
     assert "hand-over, chains of 5 waiters" in r.stdout
     _check_growth(result["growth"], r.stdout)
+    stores = result["stores"]
+    if stores is not None:  # PostgreSQL's server and the postgres extra are here
+        assert stores["fifo_kept"] and stores["postgres"]["n"] == 5 and stores["postgres"]["p50_ms"] > 0, stores
+        assert stores["lock dir"]["n"] == 5, stores
+        assert "== hand-over on each store" in r.stdout
+    else:
+        assert "hand-over on each store: skipped" in r.stdout
     if shutil.which("strace"):  # stage stamps: each stage found in the trace, none negative
         for run in ("uncontended", "handover"):
             assert all(ms >= 0 for ms in result["stages"][run].values()), result["stages"]
