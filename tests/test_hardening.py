@@ -26,15 +26,18 @@ from helpers import (
     PEARING_RUN,
     Gate,
     Procs,
+    freeze_waiting,
     holder_pid,
     lock_status,
     proc_state,
     q,
+    store_dir,
     ticket_records,
     wait_for,
     wait_queued,
 )
 
+from singleflight.core import proc as _proc
 from singleflight.core.const import ExitCode
 
 INTERVAL_CMD = str(Path(__file__).with_name("interval_cmd.py"))
@@ -334,7 +337,11 @@ def test_a_suspended_waiter_keeps_its_place_only_until_its_own_deadline(procs: P
     gate.wait_ready()
     w1 = procs.pr("--job", "w", "--wait-seconds", "2", "--", *logged(log, "W1", seconds=0))
     wait_for(lambda: len(lock_status(procs, "w")["waiters"]) == 1, 15, "W1")
-    os.kill(w1.pid, signal.SIGSTOP)  # ^Z
+    # Frozen outside the lock dir's mutex: stopped inside it, it would hold the holder's release
+    # too (docs/faults.md; a ^Z there waits until it is out).
+    stime = _proc.start_time(w1.pid)
+    assert stime is not None
+    freeze_waiting(w1.pid, stime, store_dir(procs.lock_dir, "w") / "state.lock")
     try:
         w2 = procs.pr("--job", "w", "--wait-seconds", "30", "--", *logged(log, "W2", seconds=0))
         gate.open()
@@ -357,7 +364,9 @@ def test_a_resumed_late_waiter_never_takes_a_free_lock(procs: Procs, work: Path)
     launched = time.monotonic()
     w1 = procs.pr("--job", "r", "--wait-seconds", "3", "--", *logged(log, "W1", seconds=0))
     wait_for(lambda: lock_status(procs, "r")["waiters"], 15, "W1 to queue")
-    os.kill(w1.pid, signal.SIGSTOP)
+    stime = _proc.start_time(w1.pid)
+    assert stime is not None
+    freeze_waiting(w1.pid, stime, store_dir(procs.lock_dir, "r") / "state.lock")
     try:
         gate.open()
         assert procs.finish(holder).returncode == 0
@@ -437,8 +446,9 @@ def test_same_uuid_retries_keep_a_waiting_cli_ticket_in_line(procs: Procs, work:
     args = [PEARING_CLI, "acquire-lock", "u", "--request-uuid", request, "--lease-seconds", "6"]
     first = procs.run_text(args)
     assert first.returncode == ExitCode.BUSY, first
-    # Retries every 1.5 s for 12 s, twice the 6 s lease: each renews the waiting ticket.
-    for _ in range(8):
+    # Retries every 1.5 s for 7.5 s, past the 6 s lease: each renews the waiting ticket (one
+    # that did not would have lapsed before the last retry, which would then get a new ticket).
+    for _ in range(5):
         until = time.monotonic() + 1.5
         wait_for(lambda u=until: time.monotonic() >= u, 5, "the next retry")
         retry = procs.run_text(args)

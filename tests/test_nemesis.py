@@ -72,7 +72,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import itertools
 import json
 import os
@@ -91,7 +90,17 @@ import nemesis_command
 import pytest
 from caps import Caps, caps_of
 from etcd_cluster import Cluster
-from helpers import PEARING_RUN, Procs, kill_exact, pid_alive, proc_state, ticket_records, wait_for
+from helpers import (
+    PEARING_RUN,
+    Procs,
+    freeze_waiting,
+    kill_exact,
+    pid_alive,
+    proc_state,
+    store_dir,
+    ticket_records,
+    wait_for,
+)
 from hostile_peer import HostilePeer
 
 from singleflight.core import proc as _proc
@@ -1222,31 +1231,6 @@ def test_a_holder_frozen_or_killed_keeps_the_lock_until_command_is_dead(
     assert codes == {"a": int(ExitCode.LEASE_LOST), "b": 0}
 
 
-def _freeze_waiting(pid: int, stime: int, mutex: Path) -> None:
-    """SIGSTOP a waiter that is waiting, not inside the lock dir's mutex (its ticket is visible
-    a moment before it publishes its place and lets go of ``state.lock``). Frozen in there, it
-    holds every acquirer of the lock until it resumes, its wait deadline or not: no process can
-    take a kernel lock from a stopped holder. (^Z is SIGTSTP: see docs/faults.md.) Retried until
-    the mutex is seen free with the waiter stopped; etcd has no such mutex."""
-    for _ in range(200):
-        assert kill_exact(pid, stime, signal.SIGSTOP)
-        wait_for(lambda: proc_state(pid) == "T", 5, "the waiter to stop")
-        try:
-            fd = os.open(mutex, os.O_RDONLY)
-        except FileNotFoundError:
-            return  # no lock dir mutex: etcd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return  # free (ours for a moment; closed below), so the waiter is outside it
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
-        kill_exact(pid, stime, signal.SIGCONT)
-        time.sleep(0.002)  # let it finish the critical section: a pause, not a sync
-    pytest.fail("the waiter never left the mutex")
-
-
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
@@ -1265,7 +1249,7 @@ def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
     solo.waiting("w1", lock_dir, env)
     stime = _proc.start_time(w1.pid)
     assert stime is not None
-    _freeze_waiting(w1.pid, stime, lock_dir / "locks" / "default" / f"@{solo.job}" / "state.lock")
+    freeze_waiting(w1.pid, stime, store_dir(lock_dir, solo.job) / "state.lock")
     w2 = solo.start("w2", ["--wait-seconds", "10"], ["hold=0.1"])
     solo.waiting("w2", lock_dir, env)
     gate.touch()
