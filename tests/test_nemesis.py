@@ -1261,34 +1261,6 @@ def test_frozen_waiter_stops_blocking_at_its_wait_deadline(
 
 
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
-def test_killed_waiter_stops_blocking_within_5_s(
-    backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
-) -> None:
-    """Once failed: a killed waiter's key lives on until its lease expires (--lease-seconds, 60 s
-    by default): the waiters behind it wait that long. SPEC Backends: a killed waiter stops
-    blocking within 5 s."""
-    solo = Solo(procs, work)
-    # h holds long enough for w1 to be in line behind it even on a loaded machine (with a 1 s
-    # hold, a slow start of w1 found the lock free and it never waited).
-    solo.start("h", [], ["hold=4"])
-    solo.started("h")
-    w1 = solo.start("w1", ["--wait-seconds", "30"], ["hold=0.1"])
-    solo.waiting("w1", lock_dir, env)
-    w1.kill()
-    killed_ns = time.monotonic_ns()
-    solo.start("w2", ["--wait-seconds", "20"], ["hold=0.1"])
-    codes, v = solo.finish()
-    assert v.violations() == []
-    assert codes["w2"] == 0, "the waiter behind a killed one never got the lock"
-    h, w2 = sorted(solo.watcher.steps, key=lambda s: s.start_ns)
-    # w2 runs once h is done and the killed waiter no longer blocks: within 5 s of the kill,
-    # or at once after h if h held longer than that. "At once" is a hand-over, which took 1.7 s
-    # in a CI run at a load of 6 on 2 cores (0.5 s failed it); a waiter blocked until a 60 s
-    # lease ran out would start ~55 s late.
-    assert (w2.start_ns - max(killed_ns + 5_000_000_000, h.stop_ns)) / 1e9 < 2.0, (killed_ns, h, w2)
-
-
-@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_group_kill_mid_guarded_write_takes_the_write_with_it(
     backend: str, procs: Procs, work: Path, lock_dir: Path, env: dict[str, str]
 ) -> None:
