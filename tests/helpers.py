@@ -547,3 +547,28 @@ def live_agent_pids(lock_dir: Path) -> list[int]:
                 if record_alive(rec):
                     out.append(int(rec["holder_pid"]))
     return out
+
+
+def freeze_waiting(pid: int, stime: int, mutex: Path) -> None:
+    """SIGSTOP a waiter that is waiting, not inside the lock dir's mutex (its ticket is visible
+    a moment before it publishes its place and lets go of ``state.lock``). Frozen in there, it
+    holds every acquirer of the lock until it resumes, its wait deadline or not: no process can
+    take a kernel lock from a stopped holder. (^Z is SIGTSTP: see docs/faults.md.) Retried until
+    the mutex is seen free with the waiter stopped; etcd has no such mutex."""
+    for _ in range(200):
+        assert kill_exact(pid, stime, signal.SIGSTOP)
+        wait_for(lambda: proc_state(pid) == "T", 5, "the waiter to stop")
+        try:
+            fd = os.open(mutex, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no lock dir mutex: etcd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return  # free (ours for a moment; closed below), so the waiter is outside it
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+        kill_exact(pid, stime, signal.SIGCONT)
+        time.sleep(0.002)  # let it finish the critical section: a pause, not a sync
+    pytest.fail("the waiter never left the mutex")

@@ -228,25 +228,6 @@ def test_partitioned_holder_loses_its_lease(
     assert r.returncode == ExitCode.REFUSED
 
 
-def test_cli_lease_expires_without_heartbeat(procs: Procs, job: str, env: dict[str, str], etcd: Cluster) -> None:
-    """On etcd the ticket's lease is the holder: no heartbeat, and it lapses in the cluster."""
-    env[ENV_BACKEND] = etcd.url
-    got = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "2"])
-    t = json.loads(got.stdout)
-    assert got.returncode == 0 and t["state"] == "held"
-
-    def state() -> str:
-        out = procs.run([PEARING_CLI, "get-lock-ticket", job, t["ticket_id"]])
-        return str(json.loads(out.stdout)["state"])
-
-    wait_for(lambda: state() == "expired", 15, "the lease to lapse")
-    hb = procs.run([PEARING_CLI, "heartbeat-lock-ticket", job, t["ticket_id"], "--lease-seconds", "2"])
-    assert hb.returncode == ExitCode.REFUSED and len(hb.err_lines) == 1
-    nxt = procs.run([PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "5"])
-    assert nxt.returncode == 0 and json.loads(nxt.stdout)["fence"] > t["fence"]
-    procs.run([PEARING_CLI, "release-lock-ticket", job, json.loads(nxt.stdout)["ticket_id"]])
-
-
 def test_commands_pearing_cli_reaches_the_cluster_given_on_the_command_line_only(
     procs: Procs, work: Path, job: str, env: dict[str, str], etcd: Cluster
 ) -> None:

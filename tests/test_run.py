@@ -611,6 +611,10 @@ def test_wait_seconds_times_out_with_busy(backend: str, procs: Procs, work: Path
 
 
 def test_killed_waiter_does_not_stall_queue(caps: Caps, procs: Procs, work: Path) -> None:
+    """SPEC Backends: a killed waiter stops blocking within 5 s. Once failed on etcd: a killed
+    waiter's key lived until its lease (the default 60 s, as the doomed waiter's here) ran out.
+    (That its key itself goes, for a client that cannot skip it, is test_etcd_fleet.py's
+    etcdctl test.)"""
     gate, first_fence = Gate(work), work / "first-fence"
     first = procs.pr("--job", "J", "--", *sh(f"echo ${ENV_FENCE} > {q(first_fence)}; {gate.script()}"))
     gate.wait_ready()

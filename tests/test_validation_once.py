@@ -216,7 +216,17 @@ async def _mcp_message(tmp_path: Path, server_args: list[str], tool: str, argume
     return text.removeprefix(f"Error executing tool {tool}: ")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _backends(case: Case) -> list[Any]:
+    """The lock dir alone for a value every front end refuses before it opens a backend (names.*
+    first, then open_backend, the same code on every backend); every backend for an activity,
+    which ops.update_activity checks on a backend already open."""
+    local = pytest.param("local", case, id=f"local-{case.id}")
+    if case.activity is None:
+        return [local]
+    return [local, pytest.param("etcd", case, id=f"etcd-{case.id}", marks=pytest.mark.etcd)]
+
+
+@pytest.mark.parametrize(("backend", "case"), [p for c in CASES for p in _backends(c)], indirect=["backend"])
 def test_a_bad_value_gets_one_answer_from_every_front_end(
     backend: str, procs: Procs, tmp_path: Path, lock_dir: Path, case: Case
 ) -> None:
