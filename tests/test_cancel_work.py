@@ -19,8 +19,8 @@ from helpers import PEARING_GUARD, Gate, Procs, lock_status, pid_alive, q, wait_
 
 from singleflight.core.const import ExitCode
 
-# The old run's kill grace: a newcomer waits for it and 5 s more (6 s), shorter than the 9 s
-# the old run's holder is kept busy.
+# The old run's kill grace: a newcomer waits for it and 5 s more (6 s), however long the old
+# run's guarded command lasts.
 GRACE = "1"
 
 
@@ -68,9 +68,11 @@ def newcomer(procs: Procs, job: str, work: Path, *, wait: str) -> Any:
 
 
 def guarded_script(work: Path) -> str:
-    """COMMAND: 9 s inside pearing-guard exec, then its work (a marker), exit 0."""
-    inside = q(work / "inside")
-    return f'{PEARING_GUARD} exec -- sh -c "touch {inside}; sleep 9" && echo done > {q(work / "work.done")}'
+    """COMMAND: inside pearing-guard exec until the test opens ``guard.go``, then its work (a
+    marker), exit 0."""
+    inside, go = q(work / "inside"), q(work / "guard.go")
+    wait = f"touch {inside}; while [ ! -e {go} ]; do sleep 0.02; done"
+    return f"{PEARING_GUARD} exec -- sh -c {q(wait)} && echo done > {q(work / 'work.done')}"
 
 
 def assert_old_run_did_its_work(procs: Procs, old: Any, work: Path) -> None:
@@ -86,8 +88,14 @@ def test_a_newcomer_whose_wait_runs_out_during_a_guarded_command_withdraws_its_c
     old = old_run(procs, "cw1", guarded_script(work))
     wait_for((work / "inside").exists, 15, "the old COMMAND to be inside pearing-guard exec")
     new = newcomer(procs, "cw1", work, wait="1")
-    r_new = procs.finish(new, timeout=60)
+    # Its wait (1 s), the old run's kill grace and 5 s more: it gives up while the guarded command
+    # still runs (on the lock dir it once waited for that command, however long, to end its own
+    # waiting ticket).
+    r_new = procs.finish(new, timeout=30)
     assert r_new.returncode == ExitCode.BUSY, r_new
+    assert r_new.elapsed < 20, r_new
+    assert (work / "inside").exists() and not (work / "work.done").exists()
+    (work / "guard.go").touch()
     assert_old_run_did_its_work(procs, old, work)
     assert not (work / "newcomer.ran").exists()
 
@@ -115,6 +123,7 @@ def test_a_cancel_whose_newcomer_was_killed_is_not_acted_on(backend: str, procs:
     cancel_asked(procs, "cw3")
     new.kill()
     new.wait(10)
+    (work / "guard.go").touch()
     assert_old_run_did_its_work(procs, old, work)
     assert not (work / "newcomer.ran").exists()
     wait_for(lambda: lock_status(procs, "cw3")["state"] == "free", 15, "the lock to be free")

@@ -207,11 +207,21 @@ def end(
 ) -> Ticket | None:
     """Move a ticket to a final state (released / expired / cancelled).
 
-    Takes the guard lock first, so a guarded side effect in flight completes
-    before the token stops being live and the lock can change hands.
-    Returns the ticket, or None when it had already ended.
+    A held ticket's end takes the guard lock first, so a guarded side effect in flight completes
+    before the token stops being live and the lock can change hands. A waiting ticket has no
+    token, so nothing guarded runs under it: it ends at once (a waiter whose wait ran out must
+    not wait for another run's guarded command). Returns the ticket, or None when it had
+    already ended.
     """
-    with guard_exclusive(store), store.mutex():
+    with store.mutex():  # promotion happens under the mutex too: a ticket read waiting stays so
+        t = store.read_ticket(ticket_id)
+        if t is None:
+            raise UnknownTicket(ticket_id)
+        if t.state == WAITING and not only_if_held:
+            t.end(state, reason)
+            store.write_ticket(t)
+            return t
+    with guard_exclusive(store), store.mutex():  # the guard lock first: the lock order
         t = store.read_ticket(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
