@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from conftest import WITH_POSTGRES, require_postgres
-from helpers import PEARING_CLI, Procs, pg_query, q, wait_for
+from helpers import PEARING_CLI, Procs, pg_query, proc_state, q, wait_for
 from pg_cluster import PGBOUNCER, PgCluster, free_port
 
-from singleflight.core.const import ENV_BACKEND, ENV_METRICS_DIR, ExitCode
+from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ENV_METRICS_DIR, ExitCode
 
 pytestmark = [
     pytest.mark.postgres,
@@ -156,7 +156,14 @@ def server() -> Iterator[PgCluster]:
 
 
 def contender(
-    procs: Procs, work: Path, name: str, *, lease: str, seconds: float, grace: str = "2"
+    procs: Procs,
+    work: Path,
+    name: str,
+    *,
+    lease: str,
+    seconds: float,
+    grace: str = "2",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """A run whose COMMAND logs its fence, then its interval (0.2 s to exit on SIGTERM)."""
     log, fences = work / "log", work / "fences"
@@ -164,8 +171,9 @@ def contender(
         f"echo {name} $PEARING_FENCE >> {q(fences)}; exec {sys.executable} {INTERVAL_CMD} {q(log)} {name} {seconds} 0.2"
     )
     return procs.pr(
-        "--job", "J", "--lease-seconds", lease, "--kill-grace", grace, "--wait-seconds", "60", "--", "sh", "-c", script
-    )
+        "--job", "J", "--lease-seconds", lease, "--kill-grace", grace, "--wait-seconds", "60", "--", "sh", "-c", script,
+        env=env,
+    )  # fmt: skip
 
 
 def intervals(work: Path) -> dict[str, tuple[float, float | None]]:
@@ -223,6 +231,24 @@ def test_the_holders_connection_terminated(server: PgCluster, procs: Procs, work
     server.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'pearing'")
     assert procs.finish(a, timeout=60).returncode == 0
     assert procs.finish(b, timeout=60).returncode == 0
+    assert assert_safe(work) == ["A", "B"]
+
+
+def test_a_waiters_connection_terminated_as_it_joins(server: PgCluster, procs: Procs, work: Path) -> None:
+    """Every pearing connection terminated right after the waiter joined the line, before its
+    wait's first request (``pause-queued``): that request meets the dropped connection, which is
+    opened again, and the wait goes on (it once exited 75, "unreachable: terminating connection
+    due to administrator command", under load, where that window is wide)."""
+    procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="6", seconds=3)
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    b = contender(procs, work, "B", lease="6", seconds=0.3, env={**procs.env, ENV_FAULT: "pause-queued"})
+    wait_for(lambda: proc_state(b.pid) == "T", 15, "B to stop just in line")
+    server.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'pearing'")
+    os.kill(b.pid, signal.SIGCONT)
+    assert procs.finish(a, timeout=60).returncode == 0
+    rb = procs.finish(b, timeout=60)
+    assert rb.returncode == 0, rb
     assert assert_safe(work) == ["A", "B"]
 
 

@@ -442,6 +442,19 @@ def test_missed_heartbeat_expires_before_sigterm(backend: str, procs: Procs, wor
     assert after.returncode == 0, after
 
 
+def test_lost_lease_slow_to_stop_frees_the_lock(backend: str, procs: Procs, work: Path) -> None:
+    """A holder that lost its lease and took longer to stop COMMAND than its lease has left
+    (its grace) frees the lock as the wrapper exits: the next run, started then, is not busy."""
+    gate = Gate(work)
+    script = f"trap 'sleep 2.5; exit 0' TERM; {gate.script()}"
+    p = procs.pr("--job", "J", "--heartbeat", "manual", "--lease-seconds", "2", "--kill-grace", "5", "--", *sh(script))
+    gate.wait_ready()
+    r = procs.finish(p, timeout=30)
+    assert r.returncode == LEASE_LOST, r
+    after = procs.pr_run("--job", "J", "--", "true")
+    assert after.returncode == 0, after
+
+
 # -- 8. max runtime and kill grace ------------------------------------------------------------
 
 

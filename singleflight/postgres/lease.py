@@ -47,6 +47,9 @@ class PgLease:
         self.ver = ver
         self.lapsed = reached and ver is None
         self.gone = False
+        # The end ``end`` could not write (past the cut-off, or the server out of reach):
+        # ``release`` writes it with the row's release, once COMMAND is dead.
+        self.unwritten: tuple[str, str] | None = None
         self._listen: Db | None = None
         db.not_after = self._cut_off  # never blocked in a request past it
         self._schedule()
@@ -220,6 +223,7 @@ class PgLease:
         """The token dies once the guarded commands of its ticket have ended. Released: the row
         leaves the line in the same step (the next waiter is woken); else it stays, ended, until
         ``release``: the lock is ours while COMMAND is being stopped."""
+        self.unwritten = (state, reason)
         if self.unreachable or not self._await_guards():
             return
         with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
@@ -229,7 +233,9 @@ class PgLease:
                 (self.ticket.ticket_id, self.fence),
             )
             if row is None or not to_ticket(self.ticket.ticket_id, row[0]).live:
+                self.unwritten = None
                 return  # gone, or ended by its owner: that end stands
+            self.unwritten = None
             self.ticket.end(state, reason)
             leave = state == RELEASED
             self.db.ex(
@@ -248,17 +254,33 @@ class PgLease:
                 self.db.q(KEEP_SQL, (self.ttl, self.ticket.ticket_id))
 
     def release(self, announce: Callable[[], None]) -> None:
-        """Our row leaves the line: the next waiter is woken now. (Unreachable: it lapses.)"""
+        """Our row leaves the line, ended (as ``end`` would have, if it could not): the next
+        waiter is woken now. (Unreachable: it lapses.)"""
         if self._listen is not None:
             self._listen.close()
+        # COMMAND is dead: a request still blocked past the cut-off can no longer let two run at
+        # once, so this one is sent past it too, bounded by the request timeout. Else a holder
+        # that gave up (or took its grace to stop COMMAND) left the row taken until the server's
+        # lease ran out, which the wrapper kept alive until it exited: the next run found it busy.
+        # (The lock dir drops its flock, etcd deletes its key, whenever they lose.)
+        self.db.not_after = None
         if not self.gone:
             with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
+                row = self.db.one(
+                    cur,
+                    "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s FOR UPDATE",
+                    (self.ticket.ticket_id, self.fence),
+                )
+                body = None  # as stored: ended by ``end``, or by its owner
+                if row is not None and self.unwritten is not None and to_ticket(self.ticket.ticket_id, row[0]).live:
+                    self.ticket.end(*self.unwritten)
+                    body = self._body()
                 rows = self.db.ex(
                     cur,
                     """UPDATE {s}.tickets SET line = false, hold = false, ver = ver + 1,
-                       ended_at = COALESCE(ended_at, clock_timestamp()) WHERE id = %s AND line AND fence = %s
-                       RETURNING 1""",
-                    (self.ticket.ticket_id, self.fence),
+                       body = COALESCE(%s::jsonb, body), ended_at = COALESCE(ended_at, clock_timestamp())
+                       WHERE id = %s AND line AND fence = %s RETURNING 1""",
+                    (body, self.ticket.ticket_id, self.fence),
                 )
                 if rows:
                     self.db.ex(cur, "SELECT pg_notify(%s, '')", (channel(self.db, self.lk.repo, self.lk.lock),))

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 _KEEP_AT_MOST_EVERY = 3600.0
 # Without LISTEN (listen=0, a pooler in transaction mode), a waiter looks this often.
 POLL_EVERY = 0.1
+# A waiter whose request failed (its connection dropped by the server) asks again this often.
+_RETRY = 0.25
 # UPDATE of the holder's lease on the database's clock: only while it is still ours.
 KEEP_SQL = """UPDATE {s}.tickets SET held_until = clock_timestamp() + make_interval(secs => %s)
     WHERE id = %s AND line AND hold AND held_until > clock_timestamp() RETURNING fence"""
@@ -125,6 +127,9 @@ class PgPlace:
         self.in_line = in_line  # a CLI ticket's row is in line already, from its create
         self.joined = False
         self.gone = False
+        # When our place was last renewed (monotonic, as the request was sent): it lasts
+        # WAIT_TTL from then on the server's clock, which started no earlier.
+        self.kept = 0.0
         self._listen: Any = None
 
     @property
@@ -135,6 +140,7 @@ class PgPlace:
     def queue(self, deadline: Callable[[], float]) -> int:
         t, db = self.ticket, self.db
         self._start_listening()
+        sent = time.monotonic()
         with db.tx() as cur:
             line = Line(db, cur, self.lk.repo, self.lk.lock).lock_row()
             mine = t.ticket_id in [r[0] for r in line.rows]  # before a takeover puts us there
@@ -164,7 +170,7 @@ class PgPlace:
                                COALESCE(%s, nextval(pg_get_serial_sequence(%s, 'seq'))))""",
                     (t.ticket_id, self.lk.repo, self.lk.lock, WAIT_TTL, body_of(t), seq, f"{db.s}.tickets"),
                 )
-        self.joined = True
+        self.joined, self.kept = True, sent
         return max(1, ahead - t.slots + 1)
 
     def _start_listening(self) -> None:
@@ -193,14 +199,33 @@ class PgPlace:
             self._listen = None
 
     def wait(self, deadline: Callable[[], float]) -> PgGrip | None:
+        """Our turn (the grip), or None: our place gone, or ``deadline()`` passed.
+
+        A request that fails (the server restarted, terminated our connection, a pooler recycled
+        it) is asked again on a new connection while our place lasts, as an etcd waiter re-opens
+        its watch on another member; the deadline stays the last one read. Only a server out of
+        reach until our place lapses (WAIT_TTL since it was last renewed) ends the wait: then
+        BackendUnavailable (75)."""
         if self.gone or not self.joined:
             return None
-        end = deadline()
+        end: float | None = None
         while True:
             try:
+                if end is None:
+                    end = deadline()
+                sent = time.monotonic()
                 grip, in_line = self.lk.try_take(self.ticket, renew=WAIT_TTL)
+                if grip is None and in_line:
+                    self.kept = sent
+                    end = deadline()
             except BackendUnavailable:
-                grip, in_line = None, True  # the server restarting: our place lasts WAIT_TTL, try again
+                now = time.monotonic()
+                if now >= self.kept + WAIT_TTL:
+                    raise
+                if end is not None and now >= end:
+                    return None
+                time.sleep(min(_RETRY, self.kept + WAIT_TTL - now))
+                continue
             if isinstance(grip, PgGrip):
                 if time.monotonic() >= end:
                     # Frozen (^Z) past our own deadline and resumed: never take the lock then.
@@ -210,7 +235,6 @@ class PgPlace:
                 return grip
             if not in_line:
                 return None  # cancelled, superseded, or our place lapsed
-            end = deadline()
             now = time.monotonic()
             if now >= end:
                 return None
