@@ -220,17 +220,13 @@ def _start_agent(
         control_fd=ctl_r,
         mode=control,
     )
-    # The start message goes on the agent's stdin, never in its argv: a backend URL may carry a
-    # password, and any user of the host can read a process's argv (/proc/PID/cmdline). It is
-    # written whole before the spawn (a few hundred bytes; a pipe holds 64 KiB), then read to EOF.
+    # The start message goes on the agent's stdin, not argv, which any user can read (a URL may
+    # carry a password); written whole before the spawn (a pipe holds 64 KiB), read to EOF.
     msg_r, msg_w = os.pipe()
     fds.append(msg_r)
-    try:
-        data = memoryview((start.message().encode() + "\n").encode())
-        while data:
-            data = data[os.write(msg_w, data) :]
-    finally:
-        os.close(msg_w)
+    to_agent = Channel(-1, msg_w)
+    to_agent.send(start.message())  # a fresh pipe with room: it cannot fail for the reader
+    to_agent.close_write()
     import subprocess  # here: heartbeat, status and release never start an agent (~8 ms with threading's kin)
 
     chan = Channel(r, ctl_w)

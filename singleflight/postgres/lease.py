@@ -199,32 +199,12 @@ class PgLease:
 
     # -- the end --------------------------------------------------------------------------------
 
-    def _await_guards(self) -> bool:
-        """Until no guarded command of our ticket is in flight, our lease kept meanwhile. False:
-        lost, or the server out of reach until the cut-off."""
-        for _ in range(_END_ROUNDS * 100):
-            try:
-                rows = self.db.q(
-                    "SELECT 1 FROM {s}.guards WHERE ticket_id = %s AND until > clock_timestamp()",
-                    (self.ticket.ticket_id,),
-                )
-            except BackendUnavailable:
-                return False
-            if not rows:
-                return True
-            if time.monotonic() >= self._cut_off() or self.lapsed:
-                return False
-            if time.monotonic() >= self.kept_at + self.ttl / 3:
-                self._keep()
-            time.sleep(_GUARD_POLL)
-        return False
-
     def end(self, state: str, reason: str) -> None:
         """The token dies once the guarded commands of its ticket have ended. Released: the row
         leaves the line in the same step (the next waiter is woken); else it stays, ended, until
         ``release``: the lock is ours while COMMAND is being stopped."""
         self.unwritten = (state, reason)
-        if self.unreachable or not self._await_guards():
+        if self.unreachable or not await_guards(self):
             return
         with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
             row = self.db.one(
@@ -285,27 +265,49 @@ class PgLease:
                 if rows:
                     self.db.ex(cur, "SELECT pg_notify(%s, '')", (channel(self.db, self.lk.repo, self.lk.lock),))
         announce()
-        self._housekeeping()
+        housekeeping(self.db, self.lk.repo, self.lk.lock)
 
-    def _housekeeping(self) -> None:
-        """After the hand-over: ended tickets older than their retention, expired records and lapsed
-        guards go."""
-        with contextlib.suppress(BackendUnavailable):
-            self.db.q(
-                """DELETE FROM {s}.tickets WHERE NOT line AND ended_at < clock_timestamp() - interval '1 hour'
-                   AND scope = %s AND name = %s""",
-                (self.lk.repo, self.lk.lock),
+
+def await_guards(lease: PgLease) -> bool:
+    """Until no guarded command of the lease's ticket is in flight, the lease kept meanwhile.
+    False: lost, or the server out of reach until the cut-off."""
+    for _ in range(_END_ROUNDS * 100):
+        try:
+            rows = lease.db.q(
+                "SELECT 1 FROM {s}.guards WHERE ticket_id = %s AND until > clock_timestamp()",
+                (lease.ticket.ticket_id,),
             )
-            self.db.q(f"DELETE FROM {{s}}.records r WHERE r.expires_at < clock_timestamp() AND NOT {records.LIVE}")
-            # A guarded command killed before it let go leaves its row; lapsed, nobody waits for it.
-            self.db.q("DELETE FROM {s}.guards WHERE until < clock_timestamp() - interval '1 minute'")
-        self.db.close()
+        except BackendUnavailable:
+            return False
+        if not rows:
+            return True
+        if time.monotonic() >= lease._cut_off() or lease.lapsed:
+            return False
+        if time.monotonic() >= lease.kept_at + lease.ttl / 3:
+            lease._keep()
+        time.sleep(_GUARD_POLL)
+    return False
+
+
+def housekeeping(db: Db, repo: str, lock: str) -> None:
+    """After the hand-over: ended tickets older than their retention, expired records and lapsed
+    guards go; the holder's connection closes."""
+    with contextlib.suppress(BackendUnavailable):
+        db.q(
+            """DELETE FROM {s}.tickets WHERE NOT line AND ended_at < clock_timestamp() - interval '1 hour'
+               AND scope = %s AND name = %s""",
+            (repo, lock),
+        )
+        db.q(f"DELETE FROM {{s}}.records r WHERE r.expires_at < clock_timestamp() AND NOT {records.LIVE}")
+        # A guarded command killed before it let go leaves its row; lapsed, nobody waits for it.
+        db.q("DELETE FROM {s}.guards WHERE until < clock_timestamp() - interval '1 minute'")
+    db.close()
 
 
 def end_superseded(lease: PgLease, stands: Callable[[str], bool], keep: Callable[[], None], every: float) -> str | None:
     """The holder's token dies for the request in its row, once no guarded command of its ticket
     is in flight, only if ``stands(by)``, judged and ended under the row's lock."""
-    if not lease._await_guards():
+    if not await_guards(lease):
         return None
     try:
         row = lease.db.q(
