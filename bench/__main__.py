@@ -341,7 +341,7 @@ def _table(r: dict[str, Any]) -> str:
     if sh:
         lines += [
             "",
-            f"== hand-over on each store (pearing-run; servers on loopback), chains of {sh['chain_length']} =="
+            f"== hand-over on each store (pearing-run; servers on loopback), chains of {sh['chain_length']} ==",
             f"{'store':<30} {'p50':>8} {'p99':>8} {'max':>8}",
         ]
         for k in ("postgres", "etcd", "lock dir"):
