@@ -133,6 +133,9 @@ def test_init_db_prints_the_ddl_and_a_dba_can_run_it(postgres: PgCluster, procs:
     assert r.returncode == 0, r
     local = procs.run([PEARING_CLI, "--backend", "local", "init-db", "--print-sql"])
     assert local.returncode == 64, local
+    # libpq's other spelling names the same backend: the same statements.
+    other = procs.run([PEARING_CLI, "--backend", "postgres" + url[len("postgresql") :], "init-db", "--print-sql"])
+    assert other.returncode == 0 and other.stdout == printed.stdout, other
 
 
 # -- faults of the server ---------------------------------------------------------------------

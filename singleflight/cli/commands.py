@@ -324,12 +324,12 @@ def init_db(print_sql: bool) -> None:
     url = backend_url(state.given.get("url"), os.environ.get(ENV_BACKEND) or None)
     scheme = schemes.scheme_of(url)
     assert scheme is not None
-    # The store's own set-up, found through the scheme table (the CLI imports no backend).
-    setup = getattr(scheme.backend_class(), "setup_sql", None)
-    if setup is None:
+    # The store's own set-up, named in the scheme table (the CLI imports no backend).
+    sql = scheme.setup_sql(url)
+    if sql is None:
         raise UsageError(f"the {scheme.name} backend needs no set-up: init-db is for a database backend")
     if print_sql:
-        sys.stdout.write(setup(url))
+        sys.stdout.write(sql)
         return
     backend = _backend()
     try:

@@ -15,13 +15,24 @@ if TYPE_CHECKING:
 
 
 class Scheme:
-    __slots__ = ("check", "form", "module", "name", "prefix")
+    __slots__ = ("aliases", "check", "form", "module", "name", "prefix", "setup")
 
-    def __init__(self, name: str, prefix: str, module: str, *, form: str, check: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        prefix: str,
+        module: str,
+        *,
+        form: str,
+        check: str | None = None,
+        aliases: tuple[str, ...] = (),
+        setup: str | None = None,
+    ) -> None:
         self.name, self.prefix, self.module, self.form, self.check = name, prefix, module, form, check
+        self.aliases, self.setup = aliases, setup
 
     def matches(self, url: str) -> bool:
-        return url == self.prefix if not self.prefix.endswith("://") else url.startswith(self.prefix)
+        return url == self.prefix if not self.prefix.endswith("://") else url.startswith((self.prefix, *self.aliases))
 
     def backend_class(self) -> Any:
         """The class implementing this backend (``module:Class``)."""
@@ -33,11 +44,22 @@ class Scheme:
     def validate(self, url: str) -> None:
         """Check ``url`` as this backend reads it (BadValue), opening nothing."""
         if self.check is not None:
-            module, _, fn = self.check.partition(":")
-            getattr(__import__(module, fromlist=[fn]), fn)(url)
+            _named(self.check)(url)
+
+    def setup_sql(self, url: str) -> str | None:
+        """The statements that set up ``url``'s store, for a DBA (``pearing-cli init-db
+        --print-sql``); None for a store that needs no set-up."""
+        return None if self.setup is None else str(_named(self.setup)(url))
 
 
-# name          URL                 implementation                                checked by, what it can do
+def _named(where: str) -> Any:
+    """The function ``module:function`` names, imported only now."""
+    module, _, fn = where.partition(":")
+    return getattr(__import__(module, fromlist=[fn]), fn)
+
+
+# name, URL, implementation; then its form, the function that checks such a URL, the URL's other
+# spellings and the function that prints a store's set-up for a DBA, where there are.
 SCHEMES: Final = (
     Scheme("local", "local", "singleflight.local.backend:LocalBackend", form="local"),
     Scheme(
@@ -53,14 +75,8 @@ SCHEMES: Final = (
         "singleflight.postgres.backend:PgBackend",
         form="postgresql://USER[:PASS]@HOST[:PORT]/DB[?schema=NAME]",
         check="singleflight.postgres.url:parse_url",
-    ),
-    # libpq's other spelling of the same URL: the same backend (no form of its own to list).
-    Scheme(
-        "postgres",
-        "postgres://",
-        "singleflight.postgres.backend:PgBackend",
-        form="",
-        check="singleflight.postgres.url:parse_url",
+        aliases=("postgres://",),  # libpq's other spelling
+        setup="singleflight.postgres.backend:setup_sql",
     ),
 )
 DEFAULT: Final = SCHEMES[0]
@@ -72,7 +88,7 @@ def scheme_of(url: str) -> Scheme | None:
 
 def forms() -> str:
     """Every backend URL's form, for the one line that refuses another."""
-    return " or ".join(s.form for s in SCHEMES if s.form)
+    return " or ".join(s.form for s in SCHEMES)
 
 
 def help_text(default: str = "PEARING_BACKEND, else local") -> str:

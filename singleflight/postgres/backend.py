@@ -270,13 +270,6 @@ class PgBackend:
     def close(self) -> None:
         self.db.close()
 
-    @staticmethod
-    def setup_sql(url: str) -> str:
-        """The DDL of ``url``'s schema, for a DBA (``pearing-cli init-db --print-sql``)."""
-        from singleflight.postgres import schema
-
-        return schema.print_sql(parse_url(url).schema)
-
     def __enter__(self) -> PgBackend:
         return self
 
@@ -331,3 +324,11 @@ class PgBackend:
         from singleflight.postgres import threads
 
         return threads.add(self.db, repo, thread, reply, highest=highest)
+
+
+def setup_sql(url: str) -> str:
+    """The DDL of ``url``'s schema, for a DBA (``pearing-cli init-db --print-sql``; the scheme
+    table names it)."""
+    from singleflight.postgres import schema
+
+    return schema.print_sql(parse_url(url).schema)
