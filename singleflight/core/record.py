@@ -138,3 +138,31 @@ def _finite(value: float) -> bool:
 
 
 _INF = float("inf")
+
+
+# A stored reply's fields (the thread service: rules/threads.py), as every store keeps them.
+REPLY_FIELDS: Final = ("reply_id", "parent_id", "kind", "body", "links", "identity", "fence", "ticket_id", "created_at")
+
+
+def stored_reply(r: Any) -> dict[str, Any] | None:
+    """A reply as a store read it back (decoded JSON), its ``created_at`` as epoch seconds; None
+    when a field holds a value of the wrong type (the store names where, as corrupt)."""
+    ok = (
+        isinstance(r, dict)
+        and isinstance(r.get("reply_id"), str)
+        and (r.get("parent_id") is None or isinstance(r.get("parent_id"), str))
+        and isinstance(r.get("kind"), str)
+        and isinstance(r.get("body"), str)
+        and isinstance(r.get("links"), list)
+        and all(isinstance(x, str) for x in r["links"])
+        and isinstance(r.get("identity"), str)
+        and (r.get("fence") is None or (type(r.get("fence")) is int and r["fence"] >= 1))
+        and (r.get("ticket_id") is None or isinstance(r.get("ticket_id"), str))
+    )
+    if not ok:
+        return None
+    try:
+        created = epoch(r.get("created_at"), "created_at")
+    except TypeError:
+        return None
+    return {**{k: r.get(k) for k in REPLY_FIELDS}, "created_at": created}

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from singleflight.core.errors import CorruptRecord
-from singleflight.core.record import epoch, loads
+from singleflight.core.record import loads, stored_reply
 from singleflight.etcd.client import Cluster, cmp, op_put
 
 
@@ -79,25 +79,7 @@ class Threads:
             r = loads(kv["value"])
         except ValueError as exc:
             raise CorruptRecord(where, f"not a reply: {exc}") from None
-        ok = (
-            isinstance(r, dict)
-            and isinstance(r.get("reply_id"), str)
-            and (r.get("parent_id") is None or isinstance(r.get("parent_id"), str))
-            and isinstance(r.get("kind"), str)
-            and isinstance(r.get("body"), str)
-            and isinstance(r.get("links"), list)
-            and all(isinstance(x, str) for x in r["links"])
-            and isinstance(r.get("identity"), str)
-            and (r.get("fence") is None or (type(r.get("fence")) is int and r["fence"] >= 1))
-            and (r.get("ticket_id") is None or isinstance(r.get("ticket_id"), str))
-        )
-        try:
-            created = epoch(r.get("created_at") if ok else None, "created_at")
-        except TypeError:
-            ok = False
-        if not ok:
+        reply = stored_reply(r)
+        if reply is None:
             raise CorruptRecord(where, "a reply field holds a value of the wrong type")
-        return {**{k: r.get(k) for k in _FIELDS}, "created_at": created}
-
-
-_FIELDS = ("reply_id", "parent_id", "kind", "body", "links", "identity", "fence", "ticket_id", "created_at")
+        return reply

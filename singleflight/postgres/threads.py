@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from singleflight.core.record import epoch
+from singleflight.core.record import stored_reply
 from singleflight.postgres.db import Db, corrupt
-
-_FIELDS = ("reply_id", "parent_id", "kind", "body", "links", "identity", "fence", "ticket_id", "created_at")
 
 
 def read(db: Db, repo: str, thread: int) -> tuple[list[dict[str, Any]], int | None]:
@@ -59,22 +57,7 @@ def _fence(repo: str, thread: int, value: Any) -> int:
 
 def _reply(repo: str, thread: int, reply_id: str, r: Any) -> dict[str, Any]:
     where = f"{repo}/{thread}/{reply_id}"
-    ok = (
-        isinstance(r, dict)
-        and isinstance(r.get("reply_id"), str)
-        and (r.get("parent_id") is None or isinstance(r.get("parent_id"), str))
-        and isinstance(r.get("kind"), str)
-        and isinstance(r.get("body"), str)
-        and isinstance(r.get("links"), list)
-        and all(isinstance(x, str) for x in r["links"])
-        and isinstance(r.get("identity"), str)
-        and (r.get("fence") is None or (type(r.get("fence")) is int and r["fence"] >= 1))
-        and (r.get("ticket_id") is None or isinstance(r.get("ticket_id"), str))
-    )
-    try:
-        created = epoch(r.get("created_at") if ok else None, "created_at")
-    except TypeError:
-        ok = False
-    if not ok:
+    reply = stored_reply(r)
+    if reply is None:
         raise corrupt("replies", where, "a reply field holds a value of the wrong type")
-    return {**{k: r.get(k) for k in _FIELDS}, "created_at": created}
+    return reply
