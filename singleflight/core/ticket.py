@@ -20,7 +20,7 @@ from singleflight.core.const import (
     WAITING,
 )
 from singleflight.core.errors import SlotsMismatch
-from singleflight.core.reasons import EndReason
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.record import HEX, checked, is_uuid, loads, rfc3339, valid
 
 if TYPE_CHECKING:
@@ -292,6 +292,21 @@ class Ticket:
             return False
         return not proc.alive(self.holder_pid, self.holder_start) and not proc.alive(self.owner_pid, self.owner_start)
 
+    def loss(self) -> Loss | None:
+        """Its holder's verdict on it as the store has it now (every store's ``Lease.check``):
+        None while it is still the holder's, else why not."""
+        if not self.live:  # ended by its owner or by expiry: that end record stands
+            if self.state == RELEASED:
+                return Loss(EndReason.RELEASED_BY_OWNER)
+            return Loss(EndReason.LEASE_EXPIRED, text=self.describe_end())
+        if self.superseded_by:  # a newer run that opted in to cancel-in-progress asked us to stop
+            return Loss(EndReason.SUPERSEDED, self.superseded_by)
+        # A heartbeat (pearing-cli, from COMMAND) may have moved the deadline: the one stored counts.
+        due = self.deadline_here()
+        if due is not None and due <= time.monotonic():
+            return Loss(EndReason.LEASE_EXPIRED)
+        return None
+
     def describe_end(self) -> str:
         """Why an ended ticket ended, as users read it: ``expired (holder gone) at ...``."""
         reason = f" ({self.end_reason})" if self.end_reason else ""
@@ -328,3 +343,23 @@ def check_slots(ticket: Ticket, line: Iterable[Ticket]) -> None:
             if t.slots != ticket.slots:
                 raise SlotsMismatch(ticket.slots, t.slots)
             return
+
+
+def hold_gone(record: Ticket | None) -> Loss:
+    """A holder's verdict when the store no longer shows its hold (a network store: its key, its
+    row holding with its fence): its owner released it (the ticket's ``record`` says so), else the
+    lease went."""
+    if record is not None and record.state == RELEASED:
+        return Loss(EndReason.RELEASED_BY_OWNER)
+    return Loss(EndReason.LEASE_EXPIRED)
+
+
+def unreachable_loss(now: float, deadline: float, cut_off: float) -> Loss | None:
+    """A holder's verdict while its network store cannot be reached: its lease is over at its
+    deadline (nobody could have heartbeated through it), and it gives up at its cut-off (a margin
+    before the store could expire it: no more requests, the kill grace is counting)."""
+    if now >= deadline:
+        return Loss(EndReason.LEASE_EXPIRED)
+    if now >= cut_off:
+        return Loss(EndReason.UNREACHABLE)
+    return None

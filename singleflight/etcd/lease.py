@@ -14,10 +14,10 @@ import contextlib
 import select
 import time
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, RELEASED, TYPE_CHECKING
+from singleflight.core.const import ENDED_TICKET_RETENTION, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
-from singleflight.core.ticket import Ticket
+from singleflight.core.ticket import Ticket, hold_gone, unreachable_loss
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import ending
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
@@ -225,34 +225,25 @@ class EtcdLease:
         except BackendUnavailable:
             self.unreachable = True
         if self.unreachable:
-            if now >= self.deadline:
-                # Nobody could have heartbeated through a cluster we cannot reach.
-                return Loss(EndReason.LEASE_EXPIRED)
-            if now >= self._cut_off():
-                return Loss(EndReason.UNREACHABLE)  # no more requests: the grace is counting
-            self._schedule()
-            return None
+            loss = unreachable_loss(now, self.deadline, self._cut_off())
+            if loss is None:
+                self._schedule()
+            return loss
         if kv is None or kv["create_revision"] != self.fence:
+            found = None
             with contextlib.suppress(BackendUnavailable):
                 found = ticket_of(self.mutex, self.ticket.ticket_id)
-                if found is not None and found[0].state == RELEASED:
-                    return Loss(EndReason.RELEASED_BY_OWNER)
-            return Loss(EndReason.LEASE_EXPIRED)
+            return hold_gone(found[0] if found is not None else None)
         t = parse(kv["value"])
         if t is None:
             return Loss(EndReason.VANISHED)
-        if not t.live:  # ended by its owner: that end record stands (``end`` leaves it)
-            if t.state == RELEASED:
-                return Loss(EndReason.RELEASED_BY_OWNER)
-            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
+        loss = t.loss()
+        if loss is not None:
+            self.ticket.superseded_by = t.superseded_by or self.ticket.superseded_by
+            return loss
         self.mod = kv["mod_revision"]
-        if t.superseded_by:  # a newer run that opted in to cancel-in-progress asked us to stop
-            self.ticket.superseded_by = t.superseded_by
-            return Loss(EndReason.SUPERSEDED, t.superseded_by)
-        due = deadline_mono(t)
-        if due is not None and due <= time.monotonic():
-            return Loss(EndReason.LEASE_EXPIRED)
         # A heartbeat (pearing-cli, from COMMAND) may have moved it, and with it the lease length.
+        due = deadline_mono(t)
         self.deadline = due if due is not None else self.deadline
         self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
         if self.settled:

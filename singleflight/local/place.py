@@ -9,7 +9,7 @@ import time
 from types import FrameType
 
 from singleflight.core import fault
-from singleflight.core.const import HELD, QUEUE_LATEST, RELEASED, TYPE_CHECKING, WAITING
+from singleflight.core.const import QUEUE_LATEST, TYPE_CHECKING, WAITING
 from singleflight.core.errors import LineFull
 from singleflight.core.fs import same_file
 from singleflight.core.reasons import EndReason, Loss
@@ -180,16 +180,12 @@ class LocalLease:
     def check(self) -> Loss | None:
         with self.store.mutex():
             t = self.store.read_ticket(self.ticket.ticket_id)
-        if t is not None and t.state == HELD and t.superseded_by:
-            return Loss(EndReason.SUPERSEDED, t.superseded_by)
         if t is None:
             return Loss(EndReason.VANISHED)
-        if t.state == RELEASED:
-            return Loss(EndReason.RELEASED_BY_OWNER)
-        if t.state != HELD:
-            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
-        self.ticket = t
-        return Loss(EndReason.LEASE_EXPIRED) if (t.lease_deadline_mono or 0) <= time.monotonic() else None
+        loss = t.loss()
+        if loss is None:
+            self.ticket = t
+        return loss
 
     def end(self, state: str, reason: str) -> None:
         lease.end(self.store, self.ticket.ticket_id, state, reason)

@@ -16,7 +16,7 @@ from singleflight.core import proc
 from singleflight.core.const import EXPIRED, RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
-from singleflight.core.ticket import Ticket
+from singleflight.core.ticket import Ticket, hold_gone, unreachable_loss
 from singleflight.postgres import records
 from singleflight.postgres.db import Db
 from singleflight.postgres.line import body_of, channel, ticket_channel, to_ticket
@@ -145,29 +145,19 @@ class PgLease:
         except BackendUnavailable:
             self.unreachable = True
         if self.unreachable:
-            if now >= self.deadline:
-                return Loss(EndReason.LEASE_EXPIRED)
-            if now >= self._cut_off():
-                return Loss(EndReason.UNREACHABLE)
-            self._schedule()
-            return None
-        if not row or not row[0][2]:
-            t = to_ticket(self.ticket.ticket_id, row[0][0]) if row else None
-            if t is not None and t.state == RELEASED:
-                return Loss(EndReason.RELEASED_BY_OWNER)
-            return Loss(EndReason.LEASE_EXPIRED)
+            loss = unreachable_loss(now, self.deadline, self._cut_off())
+            if loss is None:
+                self._schedule()
+            return loss
+        if not row or not row[0][2]:  # our row no longer in line, holding, with our fence
+            return hold_gone(to_ticket(self.ticket.ticket_id, row[0][0]) if row else None)
         t = to_ticket(self.ticket.ticket_id, row[0][0])
-        if not t.live:
-            if t.state == RELEASED:
-                return Loss(EndReason.RELEASED_BY_OWNER)
-            return Loss(EndReason.LEASE_EXPIRED, text=t.describe_end())
+        loss = t.loss()
+        if loss is not None:
+            self.ticket.superseded_by = t.superseded_by or self.ticket.superseded_by
+            return loss
         self.ver = row[0][1]
-        if t.superseded_by:
-            self.ticket.superseded_by = t.superseded_by
-            return Loss(EndReason.SUPERSEDED, t.superseded_by)
         due = t.deadline_here()
-        if due is not None and due <= time.monotonic():
-            return Loss(EndReason.LEASE_EXPIRED)
         self.deadline = due if due is not None else self.deadline
         self.ticket.lease_expires_at, self.ticket.lease_seconds = t.lease_expires_at, t.lease_seconds
         self._schedule()
