@@ -167,11 +167,15 @@ def contender(
     seconds: float,
     grace: str = "2",
     env: dict[str, str] | None = None,
+    until: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A run whose COMMAND logs its fence, then its interval (0.2 s to exit on SIGTERM)."""
+    """A run whose COMMAND logs its fence, then its interval (0.2 s to exit on SIGTERM): ``seconds``
+    long, or until the file ``until`` exists (at most ``seconds``)."""
     log, fences = work / "log", work / "fences"
+    gate = f" {q(until)}" if until is not None else ""
     script = (
-        f"echo {name} $PEARING_FENCE >> {q(fences)}; exec {sys.executable} {INTERVAL_CMD} {q(log)} {name} {seconds} 0.2"
+        f"echo {name} $PEARING_FENCE >> {q(fences)}; "
+        f"exec {sys.executable} {INTERVAL_CMD} {q(log)} {name} {seconds} 0.2{gate}"
     )
     return procs.pr(
         "--job", "J", "--lease-seconds", lease, "--kill-grace", grace, "--wait-seconds", "60", "--", "sh", "-c", script,
@@ -212,12 +216,15 @@ def waiting(url: str, n: int) -> bool:
 
 def test_a_server_restart_mid_run(server: PgCluster, procs: Procs, work: Path) -> None:
     url = procs.env[ENV_BACKEND] = _tenant(server)
-    a = contender(procs, work, "A", lease="8", seconds=4)
+    # A holds until B and C are in line and the server has restarted (timed, it once ran out
+    # before a loaded machine had queued them both).
+    a = contender(procs, work, "A", lease="8", seconds=60, until=work / "a.go")
     wait_for(lambda: started(work, "A"), 15, "A to start")
     others = [contender(procs, work, n, lease="8", seconds=0.3) for n in ("B", "C")]
     wait_for(lambda: waiting(url, 2), 15, "B and C to queue")
     server.stop("fast")
     server.start()
+    (work / "a.go").touch()
     assert procs.finish(a, timeout=60).returncode == 0
     codes = [procs.finish(p, timeout=60).returncode for p in others]
     assert set(codes) <= {0, BUSY}, codes  # a waiter whose place lapsed while the server was down leaves busy
@@ -276,7 +283,9 @@ def test_the_server_stopped_past_the_lease(server: PgCluster, procs: Procs, work
 def test_a_waiter_killed_with_minus_9(server: PgCluster, procs: Procs, work: Path) -> None:
     """A killed waiter stops blocking within 5 s: the one behind it runs soon after the holder."""
     url = procs.env[ENV_BACKEND] = _tenant(server)
-    a = contender(procs, work, "A", lease="6", seconds=1.5)
+    # A holds until B and C are in line and B is dead (timed, its 1.5 s once ran out on a loaded
+    # machine before C had queued: B held, and C never had two ahead of it).
+    a = contender(procs, work, "A", lease="6", seconds=60, until=work / "a.go")
     wait_for(lambda: started(work, "A"), 15, "A to start")
     b = contender(procs, work, "B", lease="6", seconds=0.3)
     wait_for(lambda: waiting(url, 1), 15, "B to queue")
@@ -284,6 +293,8 @@ def test_a_waiter_killed_with_minus_9(server: PgCluster, procs: Procs, work: Pat
     wait_for(lambda: waiting(url, 2), 15, "C to queue")
     with contextlib.suppress(ProcessLookupError):
         b.send_signal(signal.SIGKILL)
+    procs.finish(b, timeout=10)
+    (work / "a.go").touch()
     assert procs.finish(a, timeout=60).returncode == 0
     assert procs.finish(c, timeout=60).returncode == 0
     spans = intervals(work)

@@ -696,7 +696,8 @@ def test_request_uuid_in_flight_is_busy_and_never_waits_for_itself(backend: str,
         "--job", "J", "--request-uuid", u, "--wait-seconds", "30", "--", "touch", str(work / "dupw")
     )
     assert dup_wait.returncode == BUSY, dup_wait
-    assert dup_wait.elapsed < 2.0, dup_wait
+    # Far below its 30 s wait: it did not queue. (2 s once ran out on postgres at a load of 6.)
+    assert dup_wait.elapsed < 10.0, dup_wait
     gate.open()
     assert procs.finish(first).returncode == 0
     assert not (work / "dup").exists() and not (work / "dupw").exists()
