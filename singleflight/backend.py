@@ -181,10 +181,6 @@ class LockOps(Protocol):
         ``change`` declined or it is no longer live (an ended ticket is never written here).
         UnknownTicket when there is no such ticket; NotHeld when its lease went meanwhile."""
 
-    def poke(self, ticket: Ticket) -> None:
-        """Tell the ticket's process on this host to look at its ticket now (a holder that can
-        take it: not a wrapper's pid); a backend whose processes watch their keys may do nothing."""
-
     def stop(self, ticket: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """End a live ticket (its token dies) and have its process let go of the lock: a holder
         stops COMMAND first, a waiter leaves the line. Waits at most ``within`` for it. None if

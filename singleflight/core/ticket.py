@@ -292,6 +292,20 @@ class Ticket:
             return False
         return not proc.alive(self.holder_pid, self.holder_start) and not proc.alive(self.owner_pid, self.owner_start)
 
+    def poke(self) -> None:
+        """Have its holder look at this ticket now, not at its next deadline (a release, a shorter
+        lease, a cancel request): SIGUSR1 to its exact pid, when it holds on this host. The pid of
+        a held ticket is its holder's own, whose handler is in place (before it holds, the pid
+        recorded may be pearing-run's wrapper's, which would pass the signal on to COMMAND).
+        Anyone else learns at its next look, or by what its store wakes it with."""
+        import os
+        import signal
+
+        from singleflight.core import proc
+
+        if self.state == HELD and self.holder_host in (None, os.uname().nodename):
+            proc.signal_exact(self.holder_pid, self.holder_start, signal.SIGUSR1)
+
     def loss(self) -> Loss | None:
         """Its holder's verdict on it as the store has it now (every store's ``Lease.check``):
         None while it is still the holder's, else why not."""

@@ -126,13 +126,6 @@ class EtcdTickets:
     def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
         """... and now does: its key as written, and when its lease was last kept."""
 
-    def poke(self, t: Ticket) -> None:
-        """A holder on this host that has settled (its own pid recorded, its handler in place)
-        looks now; before that the pid recorded is its wrapper's, which would pass the signal on
-        to COMMAND. Anyone else (a waiter, another host's holder) watches its key."""
-        if t.state == HELD and t.holder_host == os.uname().nodename:
-            proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
-
     def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """The token dies now; the key stays until its holder (or waiter) lets go.
 

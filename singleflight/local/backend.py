@@ -204,9 +204,6 @@ class LocalLock:
             store.write_ticket(t)
         return t
 
-    def poke(self, t: Ticket) -> None:
-        lease.poke(t, waiter=t.state == WAITING)
-
     def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         ended = lease.end(self.store, t.ticket_id, state, reason, only_if_held=False)
         if ended is not None:

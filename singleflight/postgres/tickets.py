@@ -136,11 +136,6 @@ class PgTickets:
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (ticket_channel(self.db, ticket_id),))
             return t
 
-    def poke(self, t: Ticket) -> None:
-        """A holder on this host looks now; anyone else learns at its next look (or by NOTIFY)."""
-        if t.state == HELD and t.holder_host == os.uname().nodename:
-            proc.signal_exact(t.holder_pid, t.holder_start, signal.SIGUSR1)
-
     def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
         """A waiter leaves the line at once (promotion happens under the same row lock, so it
         is either still waiting or already holding). A holder's token dies now and it lets go

@@ -87,7 +87,7 @@ def _mark(lk: LockOps, holder: Ticket, by: str | None) -> bool:
     except NotHeld:
         return False  # its lease went meanwhile
     if done is not None and by is not None:
-        lk.poke(done)  # its holder checks its ticket now, not at its next deadline
+        done.poke()  # its holder checks its ticket now, not at its next deadline
     return done is not None
 
 

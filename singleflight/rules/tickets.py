@@ -90,7 +90,7 @@ def heartbeat(lk: LockOps, ticket_id: str, seconds: float) -> Ticket:
     if t.state == HELD and before is not None and (t.lease_expires_at or 0.0) < before:
         # A shorter lease than before: the holder sleeps until the deadline it knows, so make
         # it look now, or the lock would outlive the lease.
-        lk.poke(t)
+        t.poke()
     return lk.read(ticket_id) or t  # its state and fence as they stand
 
 
