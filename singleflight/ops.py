@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from singleflight.core import names, proc, protocol
+from singleflight.core import fault, names, proc, protocol
 from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
@@ -227,6 +227,7 @@ def _start_agent(
     to_agent = Channel(-1, msg_w)
     to_agent.send(start.message())  # a fresh pipe with room: it cannot fail for the reader
     to_agent.close_write()
+    fault.pause("pause-agent-spawn")  # its ticket made and seen, its agent not started yet
     import subprocess  # here: heartbeat, status and release never start an agent (~8 ms with threading's kin)
 
     chan = Channel(r, ctl_w)

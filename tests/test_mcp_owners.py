@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from caps import Caps
 from helpers import BIN_DIR, Gate, Procs, lock_status, wait_for
 
 PEARING_MCP = os.path.join(BIN_DIR, "pearing-mcp")
@@ -52,6 +53,12 @@ def _server_waiting_in_acquire(procs: Procs) -> subprocess.Popen[bytes]:
     return server
 
 
+def _adopted(procs: Procs, server: subprocess.Popen[bytes]) -> bool:
+    """The waiting ticket is its agent's: its pid in it, no longer the server's that made it."""
+    waiters = lock_status(procs, "J")["waiters"]
+    return bool(waiters) and waiters[0].get("holder_pid") not in (None, server.pid)
+
+
 @pytest.mark.parametrize("how", ["stdin-closed", "server-killed"])
 def test_a_client_that_goes_away_takes_its_waiting_ticket_with_it(
     backend: str, procs: Procs, work: Path, how: str
@@ -61,6 +68,8 @@ def test_a_client_that_goes_away_takes_its_waiting_ticket_with_it(
     gate.wait_ready()
     server = _server_waiting_in_acquire(procs)
     assert server.stdin is not None
+    # Its agent running: an owner gone before that is test_an_owner_gone_before_its_agent_starts.
+    wait_for(lambda: _adopted(procs, server), 15, "the agent to take the waiting ticket")
     if how == "stdin-closed":
         server.stdin.close()  # the client is gone: the server must notice, end the wait and exit
         server.stdin = None  # closed: nothing left for communicate() to flush
@@ -68,15 +77,44 @@ def test_a_client_that_goes_away_takes_its_waiting_ticket_with_it(
     else:
         server.send_signal(signal.SIGKILL)
         assert procs.finish(server, timeout=10).returncode == -signal.SIGKILL
-    # On etcd the server records the ticket before its agent runs, so the agent may still be
-    # starting when the server goes; it then ends the ticket as it takes its place. 5 s once ran
-    # out in CI (a full run at a load of 3 on 2 cores: a fresh interpreter for the agent, and each
-    # look here is a pearing-cli of its own); not reproduced in 12 runs beside four CPU hogs, and
-    # a ticket whose agent was held at its start, or in line, went 1 to 60 ms after it went on.
-    wait_for(lambda: not lock_status(procs, "J")["waiters"], 15, "the client's waiting ticket to go")
+    wait_for(lambda: not lock_status(procs, "J")["waiters"], 5, "the client's waiting ticket to go")
     gate.open()
     assert procs.finish(holder).returncode == 0
     # Nobody was promoted for the client that left: the lock is free for a run that does not wait.
     wait_for(lambda: lock_status(procs, "J")["holder"] is None, 5, "the lock to be free")
     r = procs.pr_run("--job", "J", "--", "true")
     assert r.returncode == 0, r
+
+
+def test_an_owner_gone_before_its_agent_starts_leaves_no_ticket_behind(
+    backend: str, caps: Caps, procs: Procs, work: Path, request: pytest.FixtureRequest
+) -> None:
+    """The owner (here pearing-mcp; pearing-cli and ``Lock`` take the same path) dies after making
+    its waiting ticket and before spawning the agent that answers for it.
+
+    A KNOWN BUG on etcd and PostgreSQL (strict xfail there: it fails until fixed). Their ticket is
+    made on its own lease (the ticket's lease_seconds, here an hour), which only the agent moves
+    onto a short place in line; with no agent the ticket waits, and when it reaches the head it
+    holds the line, until that lease runs out. The lock dir judges its tickets by their pid. Seen
+    as a flaky CI failure of the test above (the server killed as soon as its ticket showed, once
+    before its agent was spawned); reproduced here every time. The fix: a waiting ticket rides a
+    short lease (3 s) from its making, kept by its owner until its agent takes it."""
+    if caps.shared_by_hosts:
+        reason = "known bug: an ownerless waiting ticket keeps its place"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    gate = Gate(work)
+    holder = procs.pr("--job", "J", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    paused = work / "spawn.go"
+    procs.env.update(PEARING_FAULT="pause-agent-spawn", PEARING_FAULT_GATE=str(paused))
+    server = _server_waiting_in_acquire(procs)
+    del procs.env["PEARING_FAULT"], procs.env["PEARING_FAULT_GATE"]
+    wait_for(lambda: list(work.glob("spawn.go.*")), 15, "the server to stop before the agent's spawn")
+    server.send_signal(signal.SIGKILL)
+    assert procs.finish(server, timeout=10).returncode == -signal.SIGKILL
+    try:
+        # The SPEC's bound for a dead waiter (5 s), and a second for the look.
+        wait_for(lambda: not lock_status(procs, "J")["waiters"], 6, "the ownerless ticket to go")
+    finally:
+        gate.open()
+        assert procs.finish(holder).returncode == 0

@@ -9,7 +9,9 @@ instead): pause-holder-start, pause-guard-spawned, pause-command-spawn (pearing-
 after telling its holder ``spawning`` and right before it spawns COMMAND or the --skip-if check:
 a test starts a process there that is older than COMMAND yet younger than that word),
 pause-agent-start (an agent of pearing-cli / MCP / ``Lock``, its interpreter up, right before
-it daemonises: an agent that a busy machine starts late), pause-before-finish (a holder whose
+it daemonises: an agent that a busy machine starts late), pause-agent-spawn (pearing-cli /
+MCP / ``Lock`` with a waiting ticket made, right before it spawns the ticket's agent: an owner
+that dies there leaves a ticket nobody answers for), pause-before-finish (a holder whose
 COMMAND has ended, before it records the end and ends the ticket), pause-agent-ready (an agent that has taken the lock,
 right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
 dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
