@@ -86,8 +86,11 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
-# The postgres half of ``backend`` runs only when asked for: CI time is tight.
+# The postgres half of ``backend`` runs only when asked for: CI time is tight. With
+# PEARING_TEST_POSTGRES_ONLY (test files' names, comma-separated) only those files' postgres tests
+# run, in the same session as the rest: CI's part, filling the CPU the rest leaves idle.
 WITH_POSTGRES = os.environ.get("PEARING_TEST_POSTGRES") == "1"
+POSTGRES_ONLY = frozenset(filter(None, os.environ.get("PEARING_TEST_POSTGRES_ONLY", "").split(",")))
 
 
 def require_postgres() -> None:
@@ -179,9 +182,16 @@ _LONG = (
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """local_only and etcd_xfail say why; local_only never asks for both backends, etcd_xfail always
-    does. The longest tests go first (``_LONG``)."""
+    does. The longest tests go first (``_LONG``). PEARING_TEST_POSTGRES_ONLY keeps the postgres
+    tests of the files it names and deselects the others."""
+    if POSTGRES_ONLY:
+        out = [i for i in items if i.get_closest_marker("postgres") and i.path.name not in POSTGRES_ONLY]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            gone = set(out)
+            items[:] = [i for i in items if i not in gone]
     items.sort(
         key=lambda item: next((i for i, long in enumerate(_LONG) if f"/{long}" in f"/{item.nodeid}"), len(_LONG))
     )
