@@ -62,7 +62,7 @@ even after a kill -9 of the wrapper reparents it, and every signal goes through 
 after re-checking the start time (helpers.kill_exact): a reused pid is never hit.
 
 Environment: NEMESIS_SEED (default below; printed in every summary and failure),
-NEMESIS_SECONDS (storm length of a round, default 25), PEARING_SOAK_SECONDS (run rounds
+NEMESIS_SECONDS (storm length of a round, default 15), PEARING_SOAK_SECONDS (run rounds
 with seeds SEED, SEED+1, ... for that long instead of one round). Run with ``-s`` to see
 one ``NEMESIS`` summary line per round.
 """
@@ -110,7 +110,7 @@ from singleflight.core import proc as _proc
 from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ExitCode
 
 SEED = int(os.environ.get("NEMESIS_SEED", "20260214"))
-STORM_SECONDS = float(os.environ.get("NEMESIS_SECONDS", "25"))  # a CI round; soak with PEARING_SOAK_SECONDS
+STORM_SECONDS = float(os.environ.get("NEMESIS_SECONDS", "15"))  # a CI round; soak: PEARING_SOAK_SECONDS
 SOAK_SECONDS = float(os.environ.get("PEARING_SOAK_SECONDS", "0"))
 COMMAND = str(Path(__file__).with_name("nemesis_command.py"))
 LOCK_OWNER = str(Path(__file__).with_name("nemesis_lock.py"))
@@ -1039,7 +1039,7 @@ BOTH = ["local", "etcd", *(["postgres"] if WITH_POSTGRES else [])]
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_nemesis(backend: str, procs: Procs, env: dict[str, str], work: Path) -> None:
-    """One bounded round per backend (NEMESIS_SECONDS, 35 s); PEARING_SOAK_SECONDS: rounds until then."""
+    """One bounded round per backend (NEMESIS_SECONDS, 15 s); PEARING_SOAK_SECONDS: rounds until then."""
     soak_until = time.monotonic() + SOAK_SECONDS
     rounds: list[Round] = []
     while not rounds or time.monotonic() < soak_until:
