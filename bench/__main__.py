@@ -327,26 +327,16 @@ def _table(r: dict[str, Any]) -> str:
     lines += ["", "== many locks =="] + [f"{k}: {v if not isinstance(v, float) else round(v, 3)}" for k, v in m.items()]
     e = r.get("etcd")
     if e:
-        lines += [
-            "",
-            f"== hand-over on etcd (one member, loopback), chains of {e['chain_length']}, alternating ==",
-            f"{'tool':<30} {'p50':>8} {'p99':>8} {'max':>8}",
-        ]
-        for k in ("pearing-run --backend etcd", "etcdctl lock", "pearing-run (lock dir)"):
-            lines.append(f"{k:<30} {e[k]['p50_ms']:>8.1f} {e[k]['p99_ms']:>8.1f} {e[k]['max_ms']:>8.1f}")
+        title = f"hand-over on etcd (one member, loopback), chains of {e['chain_length']}, alternating"
+        tools = ("pearing-run --backend etcd", "etcdctl lock", "pearing-run (lock dir)")
+        lines += _percentiles(title, "tool", e, tools)
         lines.append(f"p50 difference to etcdctl lock: {e['p50_difference_ms']:+.1f} ms; FIFO kept: {e['fifo_kept']}")
     else:
         lines += ["", "== hand-over on etcd: skipped (needs etcd and etcdctl) =="]
     sh = r.get("stores")
     if sh:
-        lines += [
-            "",
-            f"== hand-over on each store (pearing-run; servers on loopback), chains of {sh['chain_length']} ==",
-            f"{'store':<30} {'p50':>8} {'p99':>8} {'max':>8}",
-        ]
-        for k in ("postgres", "etcd", "lock dir"):
-            if k in sh:
-                lines.append(f"{k:<30} {sh[k]['p50_ms']:>8.1f} {sh[k]['p99_ms']:>8.1f} {sh[k]['max_ms']:>8.1f}")
+        title = f"hand-over on each store (pearing-run; servers on loopback), chains of {sh['chain_length']}"
+        lines += _percentiles(title, "store", sh, ("postgres", "etcd", "lock dir"))
         lines.append(f"FIFO kept: {sh['fifo_kept']}")
     else:
         lines += ["", "== hand-over on each store: skipped (needs PostgreSQL's server and the postgres extra) =="]
@@ -355,6 +345,14 @@ def _table(r: dict[str, Any]) -> str:
     st = r.get("stages")
     lines += ["", stages.table(st).rstrip()] if st else ["", "== stages: skipped (needs strace) =="]
     return "\n".join(lines) + "\n"
+
+
+def _percentiles(title: str, what: str, section: dict[str, Any], rows: tuple[str, ...]) -> list[str]:
+    """A section's p50 / p99 / max table, one line per row it has."""
+    out = ["", f"== {title} ==", f"{what:<30} {'p50':>8} {'p99':>8} {'max':>8}"]
+    for k in (k for k in rows if k in section):
+        out.append(f"{k:<30} {section[k]['p50_ms']:>8.1f} {section[k]['p99_ms']:>8.1f} {section[k]['max_ms']:>8.1f}")
+    return out
 
 
 def main() -> int:

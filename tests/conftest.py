@@ -187,6 +187,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     does. The longest tests go first (``_LONG``). PEARING_TEST_POSTGRES_ONLY keeps the postgres
     tests of the files it names and deselects the others."""
     if POSTGRES_ONLY:
+        # A misspelt name would drop CI's postgres part without a word: every name must be a file.
+        unknown = POSTGRES_ONLY - {p.name for p in Path(__file__).parent.glob("test_*.py")}
+        if unknown:
+            raise pytest.UsageError(f"PEARING_TEST_POSTGRES_ONLY names no test file: {', '.join(sorted(unknown))}")
         out = [i for i in items if i.get_closest_marker("postgres") and i.path.name not in POSTGRES_ONLY]
         if out:
             config.hook.pytest_deselected(items=out)

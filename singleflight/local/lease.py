@@ -213,14 +213,15 @@ def end(
     not wait for another run's guarded command). Returns the ticket, or None when it had
     already ended.
     """
-    with store.mutex():  # promotion happens under the mutex too: a ticket read waiting stays so
-        t = store.read_ticket(ticket_id)
-        if t is None:
-            raise UnknownTicket(ticket_id)
-        if t.state == WAITING and not only_if_held:
-            t.end(state, reason)
-            store.write_ticket(t)
-            return t
+    if not only_if_held:  # (a holder ending its own ticket, every run, skips this look)
+        with store.mutex():  # promotion happens under the mutex too: a ticket read waiting stays so
+            t = store.read_ticket(ticket_id)
+            if t is None:
+                raise UnknownTicket(ticket_id)
+            if t.state == WAITING:
+                t.end(state, reason)
+                store.write_ticket(t)
+                return t
     with guard_exclusive(store), store.mutex():  # the guard lock first: the lock order
         t = store.read_ticket(ticket_id)
         if t is None:
