@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from singleflight.core import fault, names, proc, protocol
-from singleflight.core.const import HELD, QUEUE_FIFO, WAITING, ExitCode
+from singleflight.core.const import HELD, PLACE_TTL, QUEUE_FIFO, WAITING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError, UnknownTicket
 from singleflight.core.protocol import Channel
 from singleflight.core.record import new_uuid4
@@ -190,9 +190,9 @@ def _existing(
     return _outcome(backend, lk, lk.read(t.ticket_id) or t)
 
 
-def _beat(lease_seconds: float) -> float:
-    """How often an owner waiting in acquire-lock heartbeats its waiting ticket."""
-    return max(lease_seconds / 3.0, 0.1)
+def _beat(lease_seconds: float, queued: bool = True) -> float:
+    """How often an owner heartbeats its waiting ticket; until its agent queued, often enough to keep its place."""
+    return max(lease_seconds / 3.0, 0.1) if queued else min(max(lease_seconds / 3.0, 0.1), PLACE_TTL / 3.0)
 
 
 def _start_agent(
@@ -271,8 +271,8 @@ def _follow(
     last, wait_seconds = heard
     deadline = time.monotonic() + (wait_seconds if last == protocol.QUEUED else _AGENT_START_SECONDS)
     # The owner heartbeats its waiting ticket from the start, not from the agent's ``queued``:
-    # a busy machine may start the agent after a short lease has run out.
-    beat = time.monotonic() + _beat(t.lease_seconds)
+    # a busy machine may start the agent after a short lease or place has run out.
+    beat = time.monotonic() + _beat(t.lease_seconds, last == protocol.QUEUED)
     try:
         while True:
             until = min(deadline, beat)
@@ -287,7 +287,7 @@ def _follow(
                     # lease, while its owner is here.
                     with contextlib.suppress(NotHeld):
                         tickets.heartbeat(lk, t.ticket_id, t.lease_seconds)
-                    beat = time.monotonic() + _beat(t.lease_seconds)
+                    beat = time.monotonic() + _beat(t.lease_seconds, last == protocol.QUEUED)
                 continue
             if msg is None:
                 break

@@ -59,6 +59,10 @@ MAX_SECONDS: Final = 10 * 365 * 86400.0
 # Fences are etcd revisions on the etcd backend, which are int64.
 MAX_FENCE: Final = 2**63 - 1
 ROOT_LOCK_DIR: Final = "/var/lib/pearing"
+# A waiting ticket's place in a shared store's line lapses this long after it was last kept
+# (by its waiter, or by its owner until the agent that waits for it has started): a waiter or
+# owner killed with -9 stops blocking the line within it.
+PLACE_TTL: Final = 3
 # Ended tickets stay readable (get-lock-ticket, idempotent release) this long.
 ENDED_TICKET_RETENTION: Final = 3600.0
 # Pruning and sweeping a lock's records happens at most this often.

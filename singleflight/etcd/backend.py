@@ -43,7 +43,7 @@ from singleflight.etcd.client import (
 )
 from singleflight.etcd.grip import EtcdGrip
 from singleflight.etcd.lease import EtcdLease, margin_for
-from singleflight.etcd.lock import Mutex, ttl_of
+from singleflight.etcd.lock import WAIT_TTL, Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import parse, parse_ticket, stamp_lease
 from singleflight.etcd.tickets import EtcdTickets
@@ -68,7 +68,7 @@ class EtcdLock(EtcdTickets):
         # The holder's lease of each ticket this process joined, and when it was last kept: the
         # backend's, as a run's request claim rides on it (``EtcdBackend.write_record``).
         self._leases, self._kept = backend.leases, backend.kept
-        self._adopted: dict[str, dict[str, Any]] = {}
+        self._adopted: dict[str, tuple[dict[str, Any], float]] = {}  # its key, when its lease was kept
         self._agents: set[str] = set()  # tickets adopted by their agent (pearing-cli, MCP, Lock)
         self._minted: dict[str, str] = {}
 
@@ -107,13 +107,11 @@ class EtcdLock(EtcdTickets):
         return place.grip, place
 
     def _arrive(self, ticket: Ticket) -> EtcdPlace:
-        tid = ticket.ticket_id
-        ttl = ttl_of(ticket.lease_seconds)
-        adopted = self._adopted.pop(tid, None)
+        adopted = self._adopted.pop(ticket.ticket_id, None)
         if ticket.slots > 1:
             slots.check(self.mutex, ticket)  # a wrong --slots is 64, busy or not
         if adopted is None and ticket.slots > 1:
-            return self._enter_slots(ticket, ttl)
+            return self._enter_slots(ticket)
         if adopted is None:
             lease = self._lease_for(ticket)
             ticket.holder_host = ticket.holder_host or os.uname().nodename
@@ -123,31 +121,37 @@ class EtcdLock(EtcdTickets):
             if kv is None:
                 slots.check(self.mutex, ticket)  # not free: a slotted run may hold it
                 return EtcdPlace(self, ticket, lease, None)
-            grip = EtcdGrip(self.cluster, lease, kv, ttl, kept_at=self._kept[tid], token=self._minted[tid])
-            return EtcdPlace(self, ticket, lease, grip)
-        # Created by pearing-cli acquire-lock, on the holder's lease: its agent takes over.
-        lease = self._leases[tid] = int(adopted["lease"])
-        if self.mutex.first_now(adopted) if ticket.slots == 1 else self._holds_now(adopted, ticket.slots):
-            grip = EtcdGrip(self.cluster, lease, adopted, ttl, kept_at=self._kept[tid], token=self._minted[tid])
-            return EtcdPlace(self, ticket, lease, grip)
-        return EtcdPlace(self, ticket, lease, None, kv=adopted)
+            return EtcdPlace(self, ticket, lease, self._grip(ticket, lease, kv))
+        # Made by acquire-lock on a waiting lease its owner kept: its agent takes the key over with
+        # a holder's lease of its own. First, it holds there (the key moves onto the holder's lease
+        # as it settles); else ``queue`` moves the key to a waiting lease of its own.
+        kv, waiting_kept = adopted
+        lease = self._lease_for(ticket)
+        if self.mutex.first_now(kv) if ticket.slots == 1 else self._holds_now(kv, ticket.slots):
+            return EtcdPlace(self, ticket, lease, self._grip(ticket, lease, kv, (int(kv["lease"]), waiting_kept)))
+        return EtcdPlace(self, ticket, lease, None, kv=kv)
+
+    def _grip(self, t: Ticket, lease: int, kv: dict[str, Any], w: tuple[int, float] = (0, 0.0)) -> EtcdGrip:
+        """Our key holds: on the holder's lease, or still on a waiting one ``w`` (which, kept when)."""
+        kept, token, ttl = self._kept[t.ticket_id], self._minted[t.ticket_id], ttl_of(t.lease_seconds)
+        return EtcdGrip(
+            self.cluster, lease, kv, ttl, kept_at=kept, token=token, waiting_lease=w[0], waiting_kept_at=w[1]
+        )
 
     def _holds_now(self, kv: dict[str, Any], n: int) -> bool:
         """Is our (existing) key among the first ``n`` with no guard in flight? (``first_now``)"""
         return self.mutex.count_ahead(kv["create_revision"]) < n and not slots.guarded(self.mutex)
 
-    def _enter_slots(self, ticket: Ticket, ttl: int) -> EtcdPlace:
+    def _enter_slots(self, ticket: Ticket) -> EtcdPlace:
         """The semaphore: our key joins the line on the holder's lease at once, counting the keys
         ahead in the same transaction; fewer than N ahead (and no guard in flight), it holds.
         Else it waits as a CLI ticket's key does: ``queue`` moves it onto a waiting lease."""
-        tid = ticket.ticket_id
         lease = self._lease_for(ticket)
         ticket.holder_host = ticket.holder_host or os.uname().nodename
         self._mint(ticket)
         kv, ahead = self.mutex.join(ticket, lease, promoted=False)
         if ahead < ticket.slots and not slots.guarded(self.mutex):
-            grip = EtcdGrip(self.cluster, lease, kv, ttl, kept_at=self._kept[tid], token=self._minted[tid])
-            return EtcdPlace(self, ticket, lease, grip)
+            return EtcdPlace(self, ticket, lease, self._grip(ticket, lease, kv))
         return EtcdPlace(self, ticket, lease, None, kv=kv)
 
     # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
@@ -219,8 +223,9 @@ class EtcdLock(EtcdTickets):
             return self._existing(rec.ticket_id)
         ticket.holder_host = os.uname().nodename
         stamp_lease(ticket, ticket.lease_seconds)  # the waiting ticket's lease: its owner heartbeats it
-        # On the holder's lease until the agent has it (it moves to a waiting lease if it waits).
-        lease = self.cluster.grant(ttl_of(ticket.lease_seconds))
+        # On a waiting lease its owner keeps until its agent starts (and takes it over with a
+        # holder's lease of its own): an owner killed before that leaves the line within WAIT_TTL.
+        lease = self.cluster.grant(WAIT_TTL)
         # A copy outlives the ticket's lease (an hour), so a lapsed ticket reads "expired", not unknown.
         keep = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         # Created behind a holder, waiter or guard, it waits behind another holder (promoted),
@@ -259,10 +264,9 @@ class EtcdLock(EtcdTickets):
         self._mint(t)
 
     def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
-        # ``enter`` finds the key here, on the holder's lease: the agent takes it where it stands.
-        self._adopted[t.ticket_id] = kv
+        # ``enter`` finds the key here, on its waiting lease: the agent takes it where it stands.
+        self._adopted[t.ticket_id] = (kv, kept_at)
         self._agents.add(t.ticket_id)
-        self._kept[t.ticket_id] = kept_at
 
 
 # The tenant's keys that are not scopes (``PREFIX/activity/...``, ``PREFIX/ledger/...``).

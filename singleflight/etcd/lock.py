@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 
-from singleflight.core.const import TYPE_CHECKING
+from singleflight.core.const import PLACE_TTL, TYPE_CHECKING
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged, revision
 from singleflight.etcd.records import parse, ticket_id_of, value
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-# A waiter's key lives this long after its waiter stops renewing it (killed, frozen).
-WAIT_TTL = 3
+# A waiter's key lives this long after its waiter (or owner) stops renewing it (killed, frozen).
+WAIT_TTL = PLACE_TTL
 # How often a waiter renews its leases and re-asks its deadline.
 WAIT_TICK = 1.0
 

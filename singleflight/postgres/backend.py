@@ -231,8 +231,9 @@ class PgLock(PgTickets):
     # -- the ticket ------------------------------------------------------------------------
 
     def create(self, ticket: Ticket) -> Ticket:
-        """A CLI ticket's row, in line at once (its place lasts its lease until its agent renews
-        it), and its request record, in one transaction: one ticket per request uuid."""
+        """A CLI ticket's row, in line at once, and its request record, in one transaction: one
+        ticket per request uuid. Its place lasts WAIT_TTL: its owner renews it until the agent
+        that waits for it has started, and an owner killed before that leaves no ticket behind."""
         db = self.db
         ticket.holder_host = os.uname().nodename
         ticket.set_lease(ticket.lease_seconds)
@@ -254,7 +255,7 @@ class PgLock(PgTickets):
                 cur,
                 """INSERT INTO {s}.tickets (id, scope, name, line, hold, place_until, body)
                    VALUES (%s, %s, %s, true, false, clock_timestamp() + make_interval(secs => %s), %s)""",
-                (ticket.ticket_id, self.repo, self.lock, max(WAIT_TTL, ticket.lease_seconds), body_of(ticket)),
+                (ticket.ticket_id, self.repo, self.lock, WAIT_TTL, body_of(ticket)),
             )
             record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
             records.write(db, cur, key, record.to_json(), found[1], run=None, keep=24 * 3600.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 
 from singleflight.core import jsontext
-from singleflight.core.const import EXPIRED, HELD, MAX_FENCE, TYPE_CHECKING, WAITING
+from singleflight.core.const import EXPIRED, HELD, MAX_FENCE, PLACE_TTL, TYPE_CHECKING, WAITING
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.postgres.db import Db, corrupt
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
     import psycopg
 
-# A waiter's place lapses this long after its waiter stops renewing it (killed, frozen).
-WAIT_TTL = 3.0
+# A waiter's place lapses this long after its waiter (or owner) stops renewing it (killed, frozen).
+WAIT_TTL = float(PLACE_TTL)
 # How often a waiter renews its place and looks again without being woken.
 WAIT_TICK = 1.0
 

@@ -130,7 +130,7 @@ class PgTickets:
                     cur,
                     """UPDATE {s}.tickets SET place_until = greatest(place_until,
                        clock_timestamp() + make_interval(secs => %s)) WHERE id = %s AND line AND NOT hold""",
-                    (max(WAIT_TTL, t.lease_seconds), ticket_id),
+                    (WAIT_TTL, ticket_id),
                 )
             if t.superseded_by and t.state == HELD:
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (ticket_channel(self.db, ticket_id),))
