@@ -86,19 +86,17 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
-# The postgres half of ``backend`` runs only when asked for: CI time is tight. With
-# PEARING_TEST_POSTGRES_ONLY (test files' names, comma-separated) only those files' postgres tests
-# run, in the same session as the rest: CI's part, filling the CPU the rest leaves idle.
-WITH_POSTGRES = os.environ.get("PEARING_TEST_POSTGRES") == "1"
-POSTGRES_ONLY = frozenset(filter(None, os.environ.get("PEARING_TEST_POSTGRES_ONLY", "").split(",")))
+# The postgres half of ``backend`` runs where PostgreSQL's server is installed (skipped elsewhere,
+# failed under CI), as etcd's does; PEARING_TEST_POSTGRES=0 leaves it out (a quicker local run).
+WITH_POSTGRES = os.environ.get("PEARING_TEST_POSTGRES", "1") != "0"
 
 
 def require_postgres() -> None:
-    """Skip where the server is not installed, except under CI (CI=true), where a skip would
-    hide the postgres half that PEARING_TEST_POSTGRES=1 asked for."""
+    """Skip where the server is not installed, except under CI (CI=true), where .ci/run installs
+    Debian's postgresql and a skip would hide the postgres half."""
     if PG_BIN is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("postgresql is not installed but CI=true and PEARING_TEST_POSTGRES=1")
+            pytest.fail("postgresql is not installed but CI=true: .ci/run must install postgresql")
         pytest.skip("postgresql not installed (apt-get install postgresql)")
 
 
@@ -184,18 +182,7 @@ _LONG = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """local_only and etcd_xfail say why; local_only never asks for both backends, etcd_xfail always
-    does. The longest tests go first (``_LONG``). PEARING_TEST_POSTGRES_ONLY keeps the postgres
-    tests of the files it names and deselects the others."""
-    if POSTGRES_ONLY:
-        # A misspelt name would drop CI's postgres part without a word: every name must be a file.
-        unknown = POSTGRES_ONLY - {p.name for p in Path(__file__).parent.glob("test_*.py")}
-        if unknown:
-            raise pytest.UsageError(f"PEARING_TEST_POSTGRES_ONLY names no test file: {', '.join(sorted(unknown))}")
-        out = [i for i in items if i.get_closest_marker("postgres") and i.path.name not in POSTGRES_ONLY]
-        if out:
-            config.hook.pytest_deselected(items=out)
-            gone = set(out)
-            items[:] = [i for i in items if i not in gone]
+    does. The longest tests go first (``_LONG``)."""
     items.sort(
         key=lambda item: next((i for i, long in enumerate(_LONG) if f"/{long}" in f"/{item.nodeid}"), len(_LONG))
     )

@@ -1013,7 +1013,7 @@ def one_round(backend: str, procs: Procs, env: dict[str, str], work: Path, seed:
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
     """Indirectly parametrized: ``local``, ``etcd`` (the session's 3-member cluster) or, with
-    PEARING_TEST_POSTGRES=1, ``postgres`` (the session's server, a tenant schema of its own)."""
+    ``postgres`` (the session's server, a tenant schema of its own; not with PEARING_TEST_POSTGRES=0)."""
     name = str(request.param)
     if name == "etcd":
         cluster: Cluster = request.getfixturevalue("etcd")

@@ -1,7 +1,7 @@
 """What is about the PostgreSQL backend alone: the masked password, the role that may not
 create (77), a corrupt row (74), init-db, and the server's faults (restart, a terminated
 connection, SIGSTOP past the lease, a waiter killed with -9) with 0 overlaps and fences only
-rising. Run only with PEARING_TEST_POSTGRES=1 (conftest.py).
+rising. Left out with PEARING_TEST_POSTGRES=0, skipped without the server (conftest.py).
 
 COMMANDs log "NAME start T" / "NAME end T" (tests/interval_cmd.py, CLOCK_MONOTONIC) and their
 fence; "never two COMMANDs" and "fences only rise" are asserted on those."""
@@ -29,7 +29,7 @@ from singleflight.core.const import ENV_BACKEND, ENV_FAULT, ENV_METRICS_DIR, Exi
 
 pytestmark = [
     pytest.mark.postgres,
-    pytest.mark.skipif(not WITH_POSTGRES, reason="PEARING_TEST_POSTGRES=1 runs the postgres tests"),
+    pytest.mark.skipif(not WITH_POSTGRES, reason="PEARING_TEST_POSTGRES=0 leaves the postgres tests out"),
 ]
 
 BUSY, NOPERM, IOERR = 75, 77, 74
