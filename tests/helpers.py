@@ -87,6 +87,16 @@ def proc_state(pid: int) -> str | None:
     return data[data.rindex(b")") + 2 :].split()[0].decode()
 
 
+def signal_disposition(pid: int, sig: int) -> str:
+    """How ``pid`` takes ``sig`` (/proc/PID/status): "blocked", "ignored", "caught" or "default"."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    bit = 1 << (sig - 1)
+    for name, field in (("blocked", "SigBlk"), ("ignored", "SigIgn"), ("caught", "SigCgt")):
+        if int(fields[field].strip(), 16) & bit:
+            return name
+    return "default"
+
+
 def pid_alive(pid: int) -> bool:
     """Running (a zombie waiting for its reaper counts as dead)."""
     return proc_state(pid) not in (None, "Z", "X")

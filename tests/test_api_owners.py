@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import PEARING_CLI, Gate, Procs, lock_status, q, wait_for
+from helpers import PEARING_CLI, Gate, Procs, lock_status, q, signal_disposition, wait_for
 
 from singleflight.core.const import ExitCode
 
@@ -160,15 +160,16 @@ def test_a_waiter_that_dies_or_is_interrupted_leaves_the_line(backend: str, proc
     gate, holder = _held_gate(procs, work)
     waiter = _waiter(procs)
 
-    # In line and its agent's: etcd and PostgreSQL record the ticket before the agent runs, and
-    # an owner gone before its agent is spawned is a known bug there (test_mcp_owners.py,
-    # test_an_owner_gone_before_its_agent_starts_leaves_no_ticket_behind), which once made this
-    # test take longer than the bound below in CI.
+    # In line and its agent's: an owner gone before its agent is spawned is another test's
+    # subject (test_mcp_owners.py, test_an_owner_gone_before_its_agent_starts_leaves_no_ticket_behind).
     def adopted() -> bool:
         waiters = lock_status(procs, "J")["waiters"]
         return bool(waiters) and waiters[0].get("holder_pid") not in (None, waiter.pid)
 
     wait_for(adopted, 15, "the Lock's agent to queue")
+    if how == "keyboard-interrupt":
+        # Python turns SIGINT into KeyboardInterrupt only where it was not ignored at its start.
+        assert signal_disposition(waiter.pid, signal.SIGINT) == "caught", signal_disposition(waiter.pid, signal.SIGINT)
     os.kill(waiter.pid, signal.SIGKILL if how == "kill-9" else signal.SIGINT)
     r = procs.finish(waiter, timeout=30)
     if how == "kill-9":
