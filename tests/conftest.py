@@ -5,6 +5,7 @@ from __future__ import annotations
 import compileall
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -65,6 +66,41 @@ def work_procs(procs: Procs, work: Path) -> Procs:
     """``procs``, starting every process in ``work``: a COMMAND's relative files land there."""
     procs.cwd = work
     return procs
+
+
+# What every process a test starts inherits from the worker: an ignored signal, a blocked one.
+_INHERITED = (
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+    signal.SIGPIPE,
+    signal.SIGCHLD,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+)
+
+
+@pytest.fixture(autouse=True)
+def signals_left_as_found() -> Iterator[None]:
+    """A test must leave the worker's signal dispositions and mask as it found them: every later
+    test's processes inherit them. (A Lock waiter started with SIGINT ignored never saw its ^C:
+    three such tests outlived their bound under -n 4.) Restored, and the test fails naming them."""
+    before = {sig: signal.getsignal(sig) for sig in _INHERITED}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    changed = [sig.name for sig in _INHERITED if signal.getsignal(sig) != before[sig]]
+    for sig in _INHERITED:
+        if signal.getsignal(sig) != before[sig] and before[sig] is not None:
+            signal.signal(sig, before[sig])
+    if signal.pthread_sigmask(signal.SIG_SETMASK, mask) != mask:
+        changed.append("the signal mask")
+    if changed:
+        pytest.fail(f"the test left the worker's signals changed: {', '.join(changed)}")
 
 
 @pytest.fixture(scope="session")
