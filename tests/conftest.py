@@ -85,6 +85,14 @@ _INHERITED = (
 )
 
 
+def _ignored_here() -> int:
+    """This process's ignored signals, as a bit set (``SigIgn`` in /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
 @pytest.fixture(autouse=True)
 def signals_left_as_found() -> Iterator[None]:
     """A test must leave the worker's signal dispositions and mask as it found them: every later
@@ -92,8 +100,11 @@ def signals_left_as_found() -> Iterator[None]:
     three such tests outlived their bound under -n 4.) Restored, and the test fails naming them."""
     before = {sig: signal.getsignal(sig) for sig in _INHERITED}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    ignored = _ignored_here()  # as the kernel has it: C code may change it behind Python's back
     yield
     changed = [sig.name for sig in _INHERITED if signal.getsignal(sig) != before[sig]]
+    if _ignored_here() != ignored:
+        changed.append(f"the ignored set (SigIgn {ignored:#x} -> {_ignored_here():#x})")
     for sig in _INHERITED:
         if signal.getsignal(sig) != before[sig] and before[sig] is not None:
             signal.signal(sig, before[sig])

@@ -169,7 +169,8 @@ def test_a_waiter_that_dies_or_is_interrupted_leaves_the_line(backend: str, proc
     wait_for(adopted, 15, "the Lock's agent to queue")
     if how == "keyboard-interrupt":
         # Python turns SIGINT into KeyboardInterrupt only where it was not ignored at its start.
-        assert signal_disposition(waiter.pid, signal.SIGINT) == "caught", signal_disposition(waiter.pid, signal.SIGINT)
+        how_here = (signal_disposition(os.getpid(), signal.SIGINT), signal.getsignal(signal.SIGINT))
+        assert signal_disposition(waiter.pid, signal.SIGINT) == "caught", ("this worker's", how_here)
     os.kill(waiter.pid, signal.SIGKILL if how == "kill-9" else signal.SIGINT)
     r = procs.finish(waiter, timeout=30)
     if how == "kill-9":
