@@ -96,8 +96,8 @@ def _ignored_here() -> int:
 @pytest.fixture(autouse=True)
 def signals_left_as_found() -> Iterator[None]:
     """A test must leave the worker's signal dispositions and mask as it found them: every later
-    test's processes inherit them. (A Lock waiter started with SIGINT ignored never saw its ^C:
-    three such tests outlived their bound under -n 4.) Restored, and the test fails naming them."""
+    test's processes inherit them (an ignored SIGINT, inherited, makes a Python child deaf to
+    ^C). Restored, and the test fails naming them."""
     before = {sig: signal.getsignal(sig) for sig in _INHERITED}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     ignored = _ignored_here()  # as the kernel has it: C code may change it behind Python's back
