@@ -52,9 +52,21 @@ class PgCluster:
     def init(self) -> None:
         self._run(f"{BIN}/initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
 
-    def start(self) -> None:
+    def start(self, *settings: str) -> None:
+        """``settings``: more ``name=value`` for the server (as ``-c``)."""
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c max_connections=300"
+        opts += "".join(f" -c {setting}" for setting in settings)
         self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
+
+    def standby_of(self, primary: PgCluster) -> None:
+        """This cluster's data: a streaming copy of ``primary`` that follows it (pg_basebackup -R)."""
+        self._run(
+            f"{BIN}/pg_basebackup", "-D", str(self.data), "-h", "127.0.0.1", "-p", str(primary.port),
+            "-U", "postgres", "-R", "-X", "stream",
+        )  # fmt: skip
+
+    def promote(self) -> None:
+        self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-w", "promote")
 
     def stop(self, mode: str = "fast") -> None:
         with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):

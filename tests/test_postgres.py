@@ -231,6 +231,37 @@ def test_a_server_restart_mid_run(server: PgCluster, procs: Procs, work: Path) -
     assert assert_safe(work)[0] == "A"
 
 
+def test_a_failover_to_a_synchronous_standby_never_reissues_a_fence(procs: Procs, work: Path) -> None:
+    """The primary crashes (an immediate stop: no checkpoint) after runs that committed their
+    fences, and its synchronous standby is promoted: the next run there gets a higher fence, never
+    one the primary gave. (A commit returns only once the standby has it: the promotion's fence.)"""
+    require_postgres()
+    primary = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pgp-")))
+    standby = PgCluster(Path(tempfile.mkdtemp(prefix="pearing-pgs-")))
+    try:
+        primary.init()
+        primary.start("synchronous_standby_names='*'")
+        standby.standby_of(primary)
+        standby.start()
+        wait_for(lambda: "sync" in primary.sql("SELECT sync_state FROM pg_stat_replication"), 30, "a sync standby")
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        fences = work / "fences"
+        for _ in range(3):
+            procs.env[ENV_BACKEND] = f"{primary.url}?schema={schema}"
+            r = procs.pr_run("--job", "J", "--", "sh", "-c", f"echo $PEARING_FENCE >> {q(fences)}")
+            assert r.returncode == 0, r
+        primary.stop("immediate")
+        standby.promote()
+        procs.env[ENV_BACKEND] = f"{standby.url}?schema={schema}"
+        r = procs.pr_run("--job", "J", "--", "sh", "-c", f"echo $PEARING_FENCE >> {q(fences)}")
+        assert r.returncode == 0, r
+        assert [int(f) for f in fences.read_text().split()] == [1, 2, 3, 4]
+    finally:
+        for cluster in (standby, primary):
+            cluster.stop("immediate")
+            shutil.rmtree(cluster.root, ignore_errors=True)
+
+
 def test_the_holders_connection_terminated(server: PgCluster, procs: Procs, work: Path) -> None:
     """Every pearing connection, the holder's among them, terminated by the server mid-run."""
     url = procs.env[ENV_BACKEND] = _tenant(server)
