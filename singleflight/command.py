@@ -74,10 +74,16 @@ class Child:
         self.pid: int | None = None
         self.pending: list[int] = []  # signals that came before COMMAND existed
         self.tty = Terminal()
+        self.default_in_child: tuple[int, ...] = _DEFAULT_IN_CHILD
 
     def trap_signals(self) -> None:
+        # One ignored when we started (nohup's SIGHUP, a background job's SIGINT) stays ignored,
+        # here and in COMMAND: ``nohup pearing-run ...`` survives a hangup as ``nohup COMMAND`` does.
+        kept = proc.ignored_at_start(FORWARDED_SIGNALS)
+        self.default_in_child = tuple(sig for sig in _DEFAULT_IN_CHILD if sig not in kept)
         for sig in FORWARDED_SIGNALS:
-            signal.signal(sig, self.forward)
+            if sig not in kept:
+                signal.signal(sig, self.forward)
 
     def spawn(self, argv: list[str], env: dict[str, str], chan: Channel) -> int:
         """COMMAND in its own process group; -126/-127 when it cannot be started."""
@@ -87,9 +93,9 @@ class Child:
         fault.pause("pause-command-spawn")
         try:
             if self.tty.fd >= 0:
-                pid = self.tty.spawn(argv, env, _DEFAULT_IN_CHILD)
+                pid = self.tty.spawn(argv, env, self.default_in_child)
             else:  # the common path, and the faster: no fork of this process
-                pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=_DEFAULT_IN_CHILD)
+                pid = os.posix_spawnp(argv[0], argv, env, setpgroup=0, setsigdef=self.default_in_child)
         except OSError as exc:
             code = ExitCode.NOTFOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOEXEC
             what = "not found" if code == ExitCode.NOTFOUND else "not executable"

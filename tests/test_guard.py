@@ -12,6 +12,7 @@ import json
 import random
 import re
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -257,6 +258,21 @@ def test_exec_passes_cmd_status_through(backend: str, work_procs: Procs, work: P
     script = f"{q(PEARING_GUARD)} exec -- sh -c 'exit 7'"
     r = work_procs.run_text(_run_argv("guard-exec7", script))
     assert r.returncode == 7, r.stderr
+
+
+def test_exec_keeps_a_signal_ignored_when_it_started_ignored_in_cmd(
+    backend: str, work_procs: Procs, work: Path
+) -> None:
+    """``nohup`` (SIGHUP ignored) around pearing-guard exec: CMD ignores SIGHUP too, as it
+    would without the guard (and SIGINT and SIGQUIT, which the guard ignores itself, start at
+    their default in CMD only where they were not ignored before)."""
+    cmd = "grep SigIgn /proc/self/status > sigign"
+    script = f"trap '' HUP; {q(PEARING_GUARD)} exec -- sh -c {q(cmd)}"
+    r = work_procs.run_text(_run_argv("guard-exec-hup", script))
+    assert r.returncode == 0, r.stderr
+    mask = int((work / "sigign").read_text().split()[1], 16)
+    assert mask & (1 << (signal.SIGHUP - 1)), f"CMD does not ignore SIGHUP: SigIgn {mask:#x}"
+    assert not mask & (1 << (signal.SIGINT - 1)), f"CMD ignores SIGINT: SigIgn {mask:#x}"
 
 
 def test_exec_outside_live_run_refuses_and_never_starts_cmd(backend: str, work_procs: Procs, work: Path) -> None:

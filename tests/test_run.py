@@ -27,6 +27,7 @@ from caps import Caps
 from helpers import (
     PEARING_CLI,
     PEARING_GUARD,
+    PEARING_RUN,
     Gate,
     Procs,
     get_ticket,
@@ -282,6 +283,27 @@ def test_signals_are_forwarded_to_command(backend: str, procs: Procs, work: Path
     assert r.returncode == 7, r  # COMMAND's own status: the wrapper survived and passed TERM on
     assert sigs.read_text().split() == [*got, "TERM"]
     assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+
+
+@pytest.mark.parametrize("ignored", ["HUP", "INT"])
+def test_a_signal_ignored_when_pearing_run_starts_stays_ignored_in_command(
+    backend: str, procs: Procs, work: Path, ignored: str
+) -> None:
+    """``nohup pearing-run ...`` (SIGHUP ignored) and a shell's background job (SIGINT and SIGQUIT
+    ignored) keep those ignored in COMMAND, as ``nohup COMMAND`` would, and pearing-run passes none
+    of them on: a hangup leaves the job running. (Inherited by exec, as nohup and ``trap ''`` do.)"""
+    gate, masks = Gate(work), work / "sigign"
+    sig = signal.Signals[f"SIG{ignored}"]
+    command = f"grep SigIgn /proc/self/status > {q(masks)}; {gate.script()}"
+    ignoring = ["sh", "-c", f'trap \'\' {ignored}; exec "$0" "$@"']  # then exec'd: as nohup does
+    p = procs.start([*ignoring, PEARING_RUN, "--job", "J", "--", *sh(command)])
+    gate.wait_ready()
+    mask = int(masks.read_text().split()[1], 16)
+    assert mask & (1 << (sig - 1)), f"COMMAND does not ignore {sig.name}: SigIgn {mask:#x}"
+    os.killpg(p.pid, sig)  # as a terminal's hangup or ^C reaches its foreground group
+    gate.open()
+    r = procs.finish(p)
+    assert r.returncode == 0, r  # neither pearing-run nor COMMAND died of it
 
 
 def test_command_not_found_releases_lock(backend: str, procs: Procs, work: Path) -> None:

@@ -25,7 +25,7 @@ from singleflight import __version__, guard
 from singleflight.backend import backend_url
 from singleflight.cli._argv import Command, Option, parse, render, rows, usage
 from singleflight.cli._script import script
-from singleflight.core import fault, jsontext, names, schemes
+from singleflight.core import fault, jsontext, names, proc, schemes
 from singleflight.core.const import (
     DEFAULT_GUARD_MAX_SECONDS,
     ENV_BACKEND,
@@ -182,10 +182,10 @@ def _run_bounded(command: list[str], max_seconds: float, log: Log) -> int:
     # A signal between the spawn and our handlers would kill us and leave CMD running
     # outside the hold-off: block them across, and let CMD start with none blocked.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _CAUGHT)
+    kept = proc.ignored_at_start(_CAUGHT)  # stays ignored here and in CMD (nohup's SIGHUP)
+    sigdef = (*(sig for sig in _CAUGHT if sig not in kept), signal.SIGPIPE)
     try:
-        pid = os.posix_spawnp(
-            command[0], command, dict(os.environ), setsigdef=(*_CAUGHT, signal.SIGPIPE), setsigmask=old
-        )
+        pid = os.posix_spawnp(command[0], command, dict(os.environ), setsigdef=sigdef, setsigmask=old)
     except OSError as exc:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         found = not isinstance(exc, FileNotFoundError)
@@ -196,7 +196,8 @@ def _run_bounded(command: list[str], max_seconds: float, log: Log) -> int:
     for sig in _TERMINAL:
         signal.signal(sig, signal.SIG_IGN)
     for sig in _FORWARDED:
-        signal.signal(sig, lambda signum, frame: _send(pidfd, signum))
+        if sig not in kept:
+            signal.signal(sig, lambda signum, frame: _send(pidfd, signum))
     signal.pthread_sigmask(signal.SIG_SETMASK, old)
     ready, _, _ = select.select([pidfd], [], [], max_seconds)
     if not ready:

@@ -215,3 +215,12 @@ def _read_at(directory: int, name: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def ignored_at_start(signals: tuple[int, ...]) -> frozenset[int]:
+    """Which of ``signals`` this process was started with ignored (nohup's SIGHUP; SIGINT and
+    SIGQUIT in a shell's background job), asked before anything here handles them. A wrapper
+    keeps those ignored, in itself and in what it starts, as they would be without it."""
+    import signal  # the wrappers' (pearing-run, pearing-guard exec), not pearing-guard verify's
+
+    return frozenset(sig for sig in signals if signal.getsignal(sig) == signal.SIG_IGN)
