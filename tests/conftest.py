@@ -68,6 +68,14 @@ def work_procs(procs: Procs, work: Path) -> Procs:
     return procs
 
 
+# The processes a test starts find the terminal signals at their defaults, however the suite was
+# started: from a shell's background job (no job control) SIGINT and SIGQUIT come ignored, under
+# nohup SIGHUP, and a process keeps an ignored signal ignored (pearing-run too, by design).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+for _sig in (signal.SIGQUIT, signal.SIGHUP):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.SIG_DFL)
+
 # What every process a test starts inherits from the worker: an ignored signal, a blocked one.
 _INHERITED = (
     signal.SIGINT,
