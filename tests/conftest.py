@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from caps import Caps, caps_of
 from etcd_cluster import ETCD, Cluster
-from helpers import MARKER_VAR, Procs
+from helpers import MARKER_VAR, Procs, signal_sets
 from hostile_peer import HostilePeer
 from pg_cluster import BIN as PG_BIN
 from pg_cluster import PgCluster
@@ -94,11 +94,8 @@ _INHERITED = (
 
 
 def _ignored_here() -> int:
-    """This process's ignored signals, as a bit set (``SigIgn`` in /proc/self/status)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("SigIgn:"):
-            return int(line.split()[1], 16)
-    return 0
+    """This process's ignored signals, as the kernel has them (C code may set them behind Python's back)."""
+    return signal_sets(Path("/proc/self/status").read_text())["SigIgn"]
 
 
 @pytest.fixture(autouse=True)

@@ -87,12 +87,23 @@ def proc_state(pid: int) -> str | None:
     return data[data.rindex(b")") + 2 :].split()[0].decode()
 
 
+def signal_sets(status: str) -> dict[str, int]:
+    """The signal sets (SigBlk, SigIgn, SigCgt, ...) of a /proc/PID/status text, or of the lines
+    of it that a COMMAND grepped, as bit sets."""
+    sets = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return {k: int(v, 16) for k, _, v in (line.partition(":") for line in status.splitlines()) if k in sets}
+
+
+def signals_in(bits: int) -> set[signal.Signals]:
+    """The signals of a bit set from ``signal_sets``."""
+    return {sig for sig in signal.Signals if bits & (1 << (sig - 1))}
+
+
 def signal_disposition(pid: int, sig: int) -> str:
     """How ``pid`` takes ``sig`` (/proc/PID/status): "blocked", "ignored", "caught" or "default"."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    bit = 1 << (sig - 1)
+    sets = signal_sets(Path(f"/proc/{pid}/status").read_text())
     for name, field in (("blocked", "SigBlk"), ("ignored", "SigIgn"), ("caught", "SigCgt")):
-        if int(fields[field].strip(), 16) & bit:
+        if sig in signals_in(sets[field]):
             return name
     return "default"
 

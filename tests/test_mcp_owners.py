@@ -11,12 +11,16 @@ import json
 import os
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from helpers import BIN_DIR, Gate, Procs, lock_status, wait_for
+from caps import Caps
+from helpers import BIN_DIR, PEARING_CLI, Gate, Procs, lock_status, wait_for
+
+from singleflight.core.const import ExitCode
 
 PEARING_MCP = os.path.join(BIN_DIR, "pearing-mcp")
 LONG_LEASE = 3600  # a waiter left behind would be promoted and keep the lock past any test
@@ -122,3 +126,37 @@ def test_an_owner_gone_before_its_agent_starts_leaves_no_ticket_behind(
     finally:
         gate.open()
         assert procs.finish(holder).returncode == 0
+
+
+def test_an_owner_frozen_before_its_agent_starts_loses_its_place_or_keeps_it_whole(
+    backend: str, caps: Caps, procs: Procs, work: Path
+) -> None:
+    """An owner (pearing-cli acquire-lock here) frozen between making its ticket and spawning its
+    agent, for longer than a place lasts unrenewed (3 s). On etcd and PostgreSQL its place lapses:
+    resumed, it says so (exit 1, "expired") and leaves the lock free. The lock dir judges the ticket
+    by its live process, which keeps it: resumed, it holds. Never stuck, never two holders."""
+    paused = work / "spawn.go"
+    env = dict(procs.env, PEARING_FAULT="pause-agent-spawn", PEARING_FAULT_GATE=str(paused))
+    argv = [PEARING_CLI, "acquire-lock", "J", "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "30"]
+    owner = procs.start(argv, env=env)
+    wait_for(lambda: list(work.glob("spawn.go.*")), 15, "the owner to stop before the agent's spawn")
+    frozen_until = time.monotonic() + 4.0  # the freeze itself: past a place's 3 s
+    st = lock_status(procs, "J")
+    assert st["waiters"] or st["holder"], st  # its ticket, at the head of the line
+
+    def gone() -> bool:
+        st = lock_status(procs, "J")
+        return not st["waiters"] and st["holder"] is None
+
+    if caps.shared_by_hosts:
+        wait_for(gone, 6, "the unrenewed place to lapse")
+    wait_for(lambda: time.monotonic() > frozen_until, 10, "the freeze to last past a place's 3 s")
+    paused.touch()
+    r = procs.finish(owner, timeout=30)
+    if caps.shared_by_hosts:
+        assert r.returncode == ExitCode.REFUSED, r
+        assert json.loads(r.stdout)["state"] == "expired", r
+        assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+    else:
+        assert r.returncode == 0 and json.loads(r.stdout)["state"] == "held", r
+        assert procs.pr_run("--job", "J", "--", "true").returncode == ExitCode.BUSY
