@@ -166,6 +166,18 @@ def all_files(root: Path) -> list[Path]:
     return [Path(dirpath, name) for dirpath, _dirs, files in os.walk(root) for name in files]
 
 
+def lock_dir_blobs(lock_dir: Path) -> dict[str, bytes]:
+    """Every file under the lock dir and its bytes, as one consistent look: a live holder writes
+    by temp file and rename, so a file listed can be gone by the time it is read. Such a look is
+    taken again (a few times), never skipped: a file that vanished is not a file checked."""
+    for _ in range(20):
+        try:
+            return {str(f): f.read_bytes() for f in all_files(lock_dir)} if lock_dir.is_dir() else {}
+        except FileNotFoundError:
+            continue
+    raise AssertionError(f"files under {lock_dir} kept changing while read")
+
+
 def tree(root: Path) -> set[str]:
     """Every path (dirs and files) below ``root``, relative."""
     out = set()
@@ -438,7 +450,7 @@ def backend_url(env: dict[str, str]) -> str | None:
 def stored_blobs(env: dict[str, str], lock_dir: Path) -> dict[str, bytes]:
     """Everything the backend keeps: the lock dir's files and, on etcd, the values under the
     test's tenant prefix. Named by path or key."""
-    out = {str(f): f.read_bytes() for f in all_files(lock_dir)} if lock_dir.is_dir() else {}
+    out = lock_dir_blobs(lock_dir)
     url = backend_url(env)
     if url is not None and caps_of(url).records_in_tables:
         out.update(pg_rows(url))

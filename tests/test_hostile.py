@@ -31,6 +31,7 @@ from helpers import (
     Procs,
     all_files,
     held_records,
+    lock_dir_blobs,
     q,
     read_json,
     store_dir,
@@ -259,7 +260,7 @@ def test_raw_token_only_in_its_token_file(procs: Procs, lock_dir: Path, work: Pa
     assert len(token) >= 32
     needle = token.encode()
 
-    leaks = [str(f) for f in all_files(lock_dir) if f != token_file and needle in f.read_bytes()]
+    leaks = [name for name, data in lock_dir_blobs(lock_dir).items() if name != str(token_file) and needle in data]
     assert leaks == [], f"raw token stored in {leaks}"
     # Neither the wrapper nor the holder carries it in argv or environment (only COMMAND's env does).
     [rec] = held_records(lock_dir, "J")
@@ -270,7 +271,8 @@ def test_raw_token_only_in_its_token_file(procs: Procs, lock_dir: Path, work: Pa
 
     gate.open()
     assert procs.finish(p).returncode == 0
-    leaks = [str(f) for f in all_files(lock_dir) if needle in f.read_bytes()]
+    procs.wait_idle()  # its holder tidies up (housekeeping) after pearing-run returned
+    leaks = [name for name, data in lock_dir_blobs(lock_dir).items() if needle in data]
     assert leaks == [], f"raw token left in {leaks} after the run"
 
 
@@ -460,6 +462,7 @@ def test_file_size_limit_makes_pearing_run_exit_73(procs: Procs, lock_dir: Path,
     """A real process that cannot write (RLIMIT_FSIZE 0, the closest thing to a full disk a test can
     set up without a mount): exit 73 with one line, no fence issued, no temp file, COMMAND not run."""
     assert procs.pr_run("--job", "J", "--", "true").returncode == 0
+    procs.wait_idle()  # its holder's housekeeping writes a temp file after pearing-run returned
     before = (store_dir(lock_dir, "J") / "fence").read_bytes()
     p = procs_start_limited(procs, ["--job", "J", "--", "touch", str(work / "ran")])
     r = procs.finish(p)

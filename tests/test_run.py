@@ -184,6 +184,7 @@ def test_command_environment_and_token_file(
     r = procs.finish(p)
     assert r.returncode == 0, r
     assert not token_file.exists(), "token file left behind after the run"
+    procs.wait_idle()  # its holder tidies up (housekeeping) after pearing-run returned
     leaks = [name for name, data in stored_blobs(env, lock_dir).items() if token.encode() in data]
     assert leaks == [], f"raw token stored in {leaks} after the run"
 
