@@ -34,7 +34,7 @@ from singleflight.acquire import acquire
 from singleflight.backend import open_backend
 from singleflight.core import fault, protocol
 from singleflight.core.const import CANCELLED, WAITING, ExitCode
-from singleflight.core.errors import LineFull, PearingError
+from singleflight.core.errors import LineFull, NotHeld, PearingError
 from singleflight.core.proc import ensure_std_fds
 from singleflight.core.protocol import Channel
 from singleflight.core.reasons import EndReason
@@ -143,12 +143,18 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     if gone:  # the lock came just as its owner went: nobody would be inside
         lk.end(ticket_id, CANCELLED, EndReason.WAITER_GONE, only_if_held=False)
+    fault.pause("pause-agent-take")
     current = lk.read(ticket_id)
-    if current is None or not current.live:  # released (or its owner gone) while it was being promoted
-        grip.close()
+    try:
+        if current is None or not current.live:
+            raise NotHeld(ticket_id, "ended")
+        lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
+    except NotHeld:
+        # Released (or its owner gone) while it was being promoted: nobody is inside, so the lock
+        # is freed now (etcd's key, PostgreSQL's row would otherwise stay for the lease).
+        grip.release()
         chan.send(protocol.Message(protocol.ENDED))
         return 0
-    lease, taken = lk.take(grip, current, promoted=queued, kill_grace=0.0)
     fault.pause("pause-agent-ready")
     chan.send(protocol.ready(taken))
     if mode == _WAIT_ONLY and chan.rfd >= 0:

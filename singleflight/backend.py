@@ -160,6 +160,7 @@ class LockOps(Protocol):
 
         ``grip`` is the one this backend's ``Place`` returned (opaque to the runner), or, in a
         holder forked as its run started to wait, what that grip's ``handover`` described.
+        A ticket its owner ended meanwhile (released as its turn came) is not taken: NotHeld.
         """
 
     # -- the ticket, from any process ----------------------------------------------------------

@@ -13,9 +13,9 @@ import signal
 from singleflight.backend import open_backend
 from singleflight.core import fault, protocol
 from singleflight.core.const import TYPE_CHECKING, ExitCode
-from singleflight.core.errors import PearingError
+from singleflight.core.errors import NotHeld, PearingError
 from singleflight.core.protocol import Channel
-from singleflight.core.reasons import EndReason
+from singleflight.core.reasons import EndReason, Loss
 from singleflight.core.tokens import token_hash
 from singleflight.holder import HOLDER_SIGNALS, Holder, HolderConfig, detach
 
@@ -78,7 +78,15 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
             # its own): ``take`` takes them as the grip.
             held = {**msg.info, "fds": fds}
         fault.pause("pause-holder-start")
-        lease, taken = lk.take(held, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
+        try:
+            lease, taken = lk.take(held, ticket, promoted=ticket.promoted, kill_grace=o.kill_grace)
+        except NotHeld:
+            # Released by its owner as its turn came: COMMAND never starts. The wrapper lets go
+            # of the lock (its grip) and exits as a run that lost it.
+            record = lk.read(ticket.ticket_id)
+            loss = record.loss() if record is not None else None
+            chan.send(protocol.lost(loss or Loss(EndReason.LAPSED_BEFORE_START)))
+            return ExitCode.OK
         chan.send(protocol.ready(taken))
         Holder(backend, lk, lease, cfg, chan).serve()
     except PearingError as exc:

@@ -53,6 +53,11 @@ class HeldRun:
             self.holder_pid, chan = fork_holder(o, self.ticket, grip)
         fault.point("after-holder-spawn")
         msg = self._await_ready(chan, grip)
+        if msg is not None and msg.loss is not None:
+            # Its owner released the ticket as its turn came (``LockOps.take``): COMMAND never
+            # starts, and the lock is let go of here (the holder has left without it).
+            self._lost(msg.loss)
+            return self._finish(chan, 1, self._lost_code(), ran=False)
         if msg is None or msg.kind != protocol.READY:
             return self._holder_failed(msg)
         taken = protocol.Taken.from_info(msg.info)

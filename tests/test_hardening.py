@@ -7,6 +7,7 @@ of the host), so overlaps are measured, not argued.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pty
 import select
@@ -210,6 +211,70 @@ def test_a_holder_killed_when_handed_the_lock_frees_it_and_command_never_runs(
     assert not (work / "b-ran").exists()
     c = procs.pr_run("--job", "hk", "--lease-seconds", "60", "--", "true")
     assert c.returncode == 0, c
+
+
+def test_a_run_released_as_its_turn_comes_never_starts_command(backend: str, procs: Procs, work: Path) -> None:
+    """release-lock-ticket of a waiting run's ticket just as its turn came, its holder not yet
+    settled (paused before its first word). The three stores used to do three things: the lock
+    dir answered "cancelled" and then ran COMMAND to the end, exit 0, its cancel lost; etcd
+    started COMMAND and stopped it; PostgreSQL poked the wrapper, which passed SIGUSR1 on to
+    COMMAND (exit 138). Now on each: the release stands, COMMAND never starts, the run exits 124
+    (its lock lost), and the lock is free for the next run with a higher fence."""
+    gate = Gate(work)
+    first = procs.pr("--job", "rt", "--", "sh", "-c", f"echo $PEARING_FENCE > {work / 'a.fence'}; {gate.script()}")
+    gate.wait_ready()
+    env = dict(procs.env, PEARING_FAULT="pause-holder-start")
+    ran = work / "b-ran"
+    b = procs.pr("--job", "rt", "--wait-seconds", "60", "--", "sh", "-c", f"echo $$ > {ran}; sleep 5", env=env)
+    wait_for(lambda: _waiters(procs, "rt") == 1, 15, "B to queue")
+    ticket = lock_status(procs, "rt")["waiters"][0]["ticket_id"]
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    pid = int(wait_for(lambda: _paused_child(b.pid), 15, "B's holder to pause before its first word"))
+    release = procs.start([PEARING_CLI, "release-lock-ticket", "rt", ticket], text=True)
+    wait_for(lambda: _ended(procs, ticket), 15, "the release to land")
+    os.kill(pid, signal.SIGCONT)
+    rel = procs.finish(release)
+    assert rel.returncode == 0, rel
+    assert json.loads(rel.stdout)["state"] in ("released", "cancelled"), rel
+    rb = procs.finish(b)
+    assert rb.returncode == ExitCode.LEASE_LOST, rb
+    assert not ran.exists(), "COMMAND started for a ticket its owner had released"
+    c = procs.pr_run("--job", "rt", "--", "sh", "-c", f"echo $PEARING_FENCE > {work / 'c.fence'}")
+    assert c.returncode == 0, c
+    assert int((work / "c.fence").read_text()) > int((work / "a.fence").read_text())
+
+
+def test_a_cli_ticket_released_as_its_turn_comes_frees_the_lock_at_once(backend: str, procs: Procs, work: Path) -> None:
+    """The same for a pearing-cli ticket: its agent, its turn come, finds the ticket released
+    before it takes the lock. It lets go of the lock then and there; on etcd and PostgreSQL it
+    used to leave the key (the row) holding until its 60 s lease ran out: every run busy."""
+    gate = Gate(work)
+    first = procs.pr("--job", "rt", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    paused = work / "take.go"
+    env = dict(procs.env, PEARING_FAULT="pause-agent-take", PEARING_FAULT_GATE=str(paused))
+    argv = [PEARING_CLI, "acquire-lock", "rt", "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "60"]
+    owner = procs.start([*argv, "--wait-seconds", "30"], env=env, text=True)
+    wait_for(lambda: _waiters(procs, "rt") == 1, 15, "the CLI ticket to queue")
+    ticket = lock_status(procs, "rt")["waiters"][0]["ticket_id"]
+    gate.open()
+    assert procs.finish(first).returncode == 0
+    wait_for(lambda: list(work.glob("take.go.*")), 15, "its agent to stop right before it takes the lock")
+    release = procs.start([PEARING_CLI, "release-lock-ticket", "rt", ticket], text=True)
+    wait_for(lambda: _ended(procs, ticket), 15, "the release to land")
+    paused.touch()
+    rel = procs.finish(release)
+    assert rel.returncode == 0, rel
+    r = procs.finish(owner)
+    assert json.loads(r.stdout)["state"] in ("released", "cancelled"), r
+    c = procs.pr_run("--job", "rt", "--", "true")
+    assert c.returncode == 0, f"the lock stayed taken after its ticket was released: {c}"
+
+
+def _ended(procs: Procs, ticket: str) -> bool:
+    t = procs.run_text([PEARING_CLI, "get-lock-ticket", "rt", ticket]).json
+    return t["state"] in ("released", "cancelled")
 
 
 @pytest.mark.parametrize("frozen", ["holder", "holder-and-wrapper"])

@@ -12,8 +12,9 @@ pause-agent-start (an agent of pearing-cli / MCP / ``Lock``, its interpreter up,
 it daemonises: an agent that a busy machine starts late), pause-agent-spawn (pearing-cli /
 MCP / ``Lock`` with a waiting ticket made, right before it spawns the ticket's agent: an owner
 that dies there leaves a ticket nobody answers for), pause-before-finish (a holder whose
-COMMAND has ended, before it records the end and ends the ticket), pause-agent-ready (an agent that has taken the lock,
-right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
+COMMAND has ended, before it records the end and ends the ticket), pause-agent-take (an agent
+whose turn came, right before it takes the lock), pause-agent-ready (an agent that has taken the
+lock, right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
 dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
 pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then),
 pause-in-mutex (a lock dir acquirer joining the line, inside the lock's record mutex).

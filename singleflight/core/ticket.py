@@ -294,17 +294,22 @@ class Ticket:
 
     def poke(self) -> None:
         """Have its holder look at this ticket now, not at its next deadline (a release, a shorter
-        lease, a cancel request): SIGUSR1 to its exact pid, when it holds on this host. The pid of
-        a held ticket is its holder's own, whose handler is in place (before it holds, the pid
-        recorded may be pearing-run's wrapper's, which would pass the signal on to COMMAND).
-        Anyone else learns at its next look, or by what its store wakes it with."""
+        lease, a cancel request): SIGUSR1 to its exact pid, once its holder has settled on this
+        host (``settled``), its handler in place. Anyone else learns at its next look, or by what
+        its store wakes it with: a holder still settling, at its take (``LockOps.take``)."""
         import os
         import signal
 
         from singleflight.core import proc
 
-        if self.state == HELD and self.holder_host in (None, os.uname().nodename):
+        if self.settled() and self.holder_host in (None, os.uname().nodename):
             proc.signal_exact(self.holder_pid, self.holder_start, signal.SIGUSR1)
+
+    def settled(self) -> bool:
+        """Held, and its holder has recorded itself (its pid, since when): the one process whose
+        handler takes a poke. Promoted but not yet settled (etcd's, PostgreSQL's hand-over), the
+        pid recorded is still the waiter's: pearing-run's wrapper passes SIGUSR1 on to COMMAND."""
+        return self.state == HELD and self.acquired_at is not None
 
     def loss(self) -> Loss | None:
         """Its holder's verdict on it as the store has it now (every store's ``Lease.check``):
@@ -312,6 +317,12 @@ class Ticket:
         if not self.live:  # ended by its owner or by expiry: that end record stands
             if self.state == RELEASED:
                 return Loss(EndReason.RELEASED_BY_OWNER)
+            # Cancelled while it waited, found so as its turn came (``LockOps.take``): by its
+            # owner (a lost lock), or by a newer ``latest`` run (busy, as any superseded waiter).
+            if self.state == CANCELLED and self.superseded_by:
+                return Loss(EndReason.SUPERSEDED, self.superseded_by)
+            if self.end_reason == EndReason.RELEASED_BY_OWNER.value:
+                return Loss(EndReason.RELEASED_BY_OWNER, text=self.describe_end())
             return Loss(EndReason.LEASE_EXPIRED, text=self.describe_end())
         if self.superseded_by:  # a newer run that opted in to cancel-in-progress asked us to stop
             return Loss(EndReason.SUPERSEDED, self.superseded_by)

@@ -46,7 +46,7 @@ from singleflight.etcd.lease import EtcdLease, margin_for
 from singleflight.etcd.lock import WAIT_TTL, Mutex, ttl_of
 from singleflight.etcd.place import EtcdPlace
 from singleflight.etcd.records import parse, parse_ticket, stamp_lease
-from singleflight.etcd.tickets import EtcdTickets
+from singleflight.etcd.tickets import EtcdTickets, refuse_ended
 from singleflight.etcd.url import parse_url
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class EtcdLock(EtcdTickets):
         kv = grip.kv
         key, fence = str(kv["key"]), int(kv["create_revision"])
         t = parse_ticket(kv["value"])
+        refuse_ended(cluster, key, t.ticket_id)
         t.slot = 0 if t.slots == 1 else slots.claim(self.mutex, t, kv, grip.lease)
         t.owner_pid, t.owner_start = t.holder_pid, t.holder_start  # who waited: pearing-run's wrapper, or the agent
         t.state, t.fence, t.promoted = HELD, fence, promoted or t.promoted

@@ -4,13 +4,14 @@ tokens, joining) is ``EtcdLock``'s, which adds it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
 from singleflight.core import proc
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, TYPE_CHECKING, WAITING
-from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
+from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
@@ -282,3 +283,14 @@ def cancel_waiting(mutex: Mutex, t: Ticket, kv: dict[str, Any], reason: str) -> 
         if r.get("succeeded"):
             return True
     return False
+
+
+def refuse_ended(cluster: Cluster, key: str, ticket_id: str) -> None:
+    """In the holder's take: its owner may have released the ticket as its turn came, before the
+    holder's first word. That end stands (NotHeld). One read; unanswered, the holder's first look
+    finds out instead."""
+    with contextlib.suppress(BackendUnavailable):
+        now = cluster.get(key)
+        stored = parse(now["value"]) if now is not None else None
+        if stored is not None and not stored.live:
+            raise NotHeld(ticket_id, stored.describe_end())

@@ -146,6 +146,11 @@ def take_ownership(store: LockStore, ticket: Ticket, *, promoted: bool, slot: in
     with guard_exclusive(store):
         pass
     with store.mutex():
+        stored = store.read_ticket(ticket.ticket_id)
+        if stored is not None and not stored.live:
+            # Its owner released it (release-lock-ticket) as its turn came, before this holder's
+            # first word: that end stands, and it gets no fence (``LockOps.take``).
+            raise NotHeld(ticket.ticket_id, stored.describe_end())
         # Two runs with different --slots that each found a slot free: the first to get here
         # holds, the other is refused before it has a fence.
         slots.check(store, ticket)

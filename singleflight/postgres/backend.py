@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from singleflight.core import names, proc
 from singleflight.core.const import ENV_BACKEND, ENV_SLOT, HELD, QUEUE_LATEST, REQUEST_ACTIVE, TYPE_CHECKING, WAITING
-from singleflight.core.errors import BackendUnavailable
+from singleflight.core.errors import BackendUnavailable, NotHeld
 from singleflight.core.request import RequestRecord, lock_record, request_record
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
@@ -192,7 +192,10 @@ class PgLock(PgTickets):
         with contextlib.suppress(BackendUnavailable), db.tx() as cur:
             row = read_row(db, cur, grip.ticket_id, lock=True)
             t = ticket if row is None else as_stored(grip.ticket_id, row)
-            if row is not None and t.live:
+            if row is not None and not t.live:
+                # Its owner released it as its turn came, before this holder's first word.
+                raise NotHeld(grip.ticket_id, t.describe_end())
+            if row is not None:
                 self._settle(t, grip, promoted)
                 done = db.ex(
                     cur,

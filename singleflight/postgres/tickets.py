@@ -154,9 +154,9 @@ class PgTickets:
             t.end(CANCELLED if waiting and state == RELEASED else state, reason)
             self.write(cur, t, leave=waiting or gone)
         if not waiting and not gone:
-            if here:
+            if here and t.settled():
                 proc.poke_and_wait(t.holder_pid, t.holder_start, signal.SIGUSR1, within)
-            else:
+            else:  # elsewhere, or still settling (its take finds the end): until it leaves the line
                 self._await_gone(t.ticket_id, within)
         return t
 
