@@ -169,7 +169,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
 class _Owner:
     """Watches the owner's end of the control pipe while the ticket waits, in a thread of its own:
     the main thread is blocked in the backend's wait. When every copy of that end is closed
-    the owner is gone, and its ticket leaves the line through the backend's own ``stop``
+    the owner is gone, and its ticket leaves the line through ``rules.tickets.stop``
     (the path of a release of a waiting ticket: its record ends, the wait wakes)."""
 
     def __init__(self, fd: int, url: str, lock_dir: str, where: tuple[str, str, str]) -> None:
@@ -228,7 +228,7 @@ class _Owner:
         try:
             t = lk.read(ticket_id)
             if t is not None and t.state == WAITING:
-                lk.stop(t, CANCELLED, EndReason.WAITER_GONE, within=0.0)
+                tickets.stop(lk, t, CANCELLED, EndReason.WAITER_GONE, within=0.0)
         except PearingError:
             pass  # the wait still ends at its next look (``deadline`` says 0 from now)
         finally:

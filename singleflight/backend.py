@@ -173,19 +173,16 @@ class LockOps(Protocol):
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
     ) -> Ticket | None:
-        """End a ticket (None if it had ended already). Without ``release`` only its token dies:
-        the lock stays taken until the grip is released (COMMAND is still being stopped)."""
+        """End a ticket (None if it had ended already). Without ``release`` only a holder's token
+        dies: the lock stays taken until the grip is released (COMMAND is still being stopped).
+        A waiting one (``only_if_held=False``) leaves the line at once and its waiter is woken;
+        only while it still waits: one whose turn has just come is ended as a holder."""
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
         """Compare-and-set of a live ticket: ``change`` gets it as stored (read again if another
         write came in between) and says whether to write it; the ticket written, or None when
         ``change`` declined or it is no longer live (an ended ticket is never written here).
         UnknownTicket when there is no such ticket; NotHeld when its lease went meanwhile."""
-
-    def stop(self, ticket: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
-        """End a live ticket (its token dies) and have its process let go of the lock: a holder
-        stops COMMAND first, a waiter leaves the line. Waits at most ``within`` for it. None if
-        the ticket had ended already."""
 
     def line(self) -> Line:
         """The line as it stands: the holder first, then the waiters in order; the lock's fence."""

@@ -98,9 +98,10 @@ def signal_exact(pid: int | None, stamp: int | None, sig: int) -> bool:
         os.close(fd)
 
 
-def poke_and_wait(pid: int | None, stamp: int | None, sig: int, within: float) -> None:
-    """Signal the process recorded as (``pid``, ``stamp``) and wait until it exits, at most
-    ``within`` seconds: a holder told its ticket ended lets go of the lock, then exits."""
+def poke_and_wait(pid: int | None, stamp: int | None, sig: int | None, within: float) -> None:
+    """Signal the process recorded as (``pid``, ``stamp``) (None: no signal, it has been told)
+    and wait until it exits, at most ``within`` seconds: a holder told its ticket ended lets go
+    of the lock, then exits."""
     import select
 
     if pid is None or not alive(pid, stamp):
@@ -110,7 +111,7 @@ def poke_and_wait(pid: int | None, stamp: int | None, sig: int, within: float) -
     except OSError:
         return
     try:
-        if signal_exact(pid, stamp, sig):
+        if sig is None or signal_exact(pid, stamp, sig):
             select.select([pidfd], [], [], within)
     finally:
         os.close(pidfd)

@@ -248,7 +248,10 @@ class Ticket:
         self.lease_expires_at = time.time() + seconds
 
     def end(self, state: str, reason: str, at: float | None = None) -> None:
-        """The ticket ends (released, expired, cancelled) for ``reason`` (an ``EndReason``'s text)."""
+        """The ticket ends (released, expired, cancelled) for ``reason`` (an ``EndReason``'s text).
+        A waiting ticket is never released (it held nothing): it is cancelled."""
+        if self.state == WAITING and state == RELEASED:
+            state = CANCELLED
         self.state, self.end_reason, self.ended_at = state, str(reason), time.time() if at is None else at
 
     def supersede(self, by: str, at: float | None = None) -> None:

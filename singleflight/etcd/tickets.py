@@ -1,12 +1,11 @@
 """A lock's tickets in the cluster, as any process sees them: read one (its state from its place
-in line), renew it, end it, stop its process, the line as it stands. Taking the lock (leases,
+in line), renew it, end it, the line as it stands. Taking the lock (leases,
 tokens, joining) is ``EtcdLock``'s, which adds it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 
 from singleflight.core import proc
@@ -19,7 +18,6 @@ from singleflight.etcd import records, slots
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
-from singleflight.etcd.watch import DeleteWatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,6 +79,13 @@ class EtcdTickets:
             if release and not t.live:
                 self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
             return None
+        if t.state == WAITING:
+            if cancel_waiting(self.mutex, t, kv, reason):
+                return self.read(ticket_id) or t  # out of the line: its waiter's watch sees the key go
+            found = ticket_of(self.mutex, ticket_id)  # its turn came meanwhile: it ends as a holder
+            if found is None or found[1] is None or not found[0].live:
+                return None
+            t, kv = found[0], found[1]
         end_ticket(self.mutex, t, kv, state, reason, revoke=release)
         return t
 
@@ -126,45 +131,6 @@ class EtcdTickets:
 
     def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
         """... and now does: its key as written, and when its lease was last kept."""
-
-    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
-        """The token dies now; the key stays until its holder (or waiter) lets go.
-
-        Deleting it here would promote the next waiter while a pearing-run COMMAND may still
-        be running (it is stopped first: TERM, the grace, KILL). Its holder sees the end at its
-        next look (at once on this host: poked), and a dead one's lease lapses by itself.
-        """
-        found = ticket_of(self.mutex, t.ticket_id)
-        if found is None:
-            return None
-        t, kv = found
-        if kv is None or not t.live:
-            return None
-        if t.state == WAITING and cancel_waiting(self.mutex, t, kv, reason):
-            return self.read(t.ticket_id) or t
-        stored = parse(kv["value"])
-        here = t.holder_host == os.uname().nodename
-        if here and t.orphaned():
-            # Its holder (or waiter) is dead, and so is the wrapper that would keep the lease
-            # while COMMAND lives: nobody else will let go of the key.
-            end_ticket(self.mutex, t, kv, state, reason)
-            return t
-        end_ticket(self.mutex, t, kv, state, reason, revoke=False)
-        if not here:
-            self._await_gone(kv, within)
-        elif stored is not None and stored.state == HELD:
-            # Only a holder that has settled (its own pid recorded, its handler in place) is poked.
-            proc.poke_and_wait(t.holder_pid, t.holder_start, signal.SIGUSR1, within)
-        return t
-
-    def _await_gone(self, kv: dict[str, Any], within: float) -> None:
-        """A holder on another host lets go at its next look (a third of its TTL at most)."""
-        watch = DeleteWatch(self.cluster, kv["key"], kv["mod_revision"])
-        try:
-            if self.cluster.get(kv["key"]) is not None:
-                watch.wait(time.monotonic() + within)
-        finally:
-            watch.close()
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         kv = self.mutex.find(ticket_id)

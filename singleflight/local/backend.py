@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
 import time
 from contextlib import contextmanager
 
@@ -188,8 +187,12 @@ class LocalLock:
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
     ) -> Ticket | None:
-        # The flock is the grip's: ending the record never frees the lock by itself.
-        return lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
+        # The flock is the grip's: ending the record never frees the lock by itself. A waiter's
+        # entry in line is its own (flocked): it is woken to leave it.
+        ended = lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
+        if ended is not None and ended.fence is None:
+            lease.wake_waiter(ended)
+        return ended
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
         """Under the lock's mutex, where every write of a ticket happens (a holder ending its
@@ -203,14 +206,6 @@ class LocalLock:
                 return None
             store.write_ticket(t)
         return t
-
-    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
-        ended = lease.end(self.store, t.ticket_id, state, reason, only_if_held=False)
-        if ended is not None:
-            # Its holder stops COMMAND and lets go of the flock; a waiter leaves the line.
-            sig = queue.WAITER_POKE if t.state == WAITING else signal.SIGUSR1
-            proc.poke_and_wait(t.holder_pid, t.holder_start, sig, within)
-        return ended
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         store = self.store

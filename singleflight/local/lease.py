@@ -202,6 +202,13 @@ def poke(t: Ticket, *, waiter: bool = False) -> bool:
     return proc.signal_exact(t.holder_pid, t.holder_start, WAITER_POKE if waiter else signal.SIGUSR1)
 
 
+def wake_waiter(t: Ticket) -> None:
+    """Its waiter re-reads the ticket now (``queue.WAITER_POKE``) and leaves the line. Not a
+    process of ours that never waited (the signal would be fatal there, not handled)."""
+    if t.holder_pid != os.getpid() or signal.getsignal(WAITER_POKE) not in (signal.SIG_DFL, None):
+        poke(t, waiter=True)
+
+
 def end(
     store: LockStore,
     ticket_id: str,

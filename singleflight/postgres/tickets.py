@@ -5,11 +5,10 @@ stands. Taking the lock is ``PgLock``'s (backend.py), which adds it."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, TYPE_CHECKING, WAITING
+from singleflight.core.const import EXPIRED, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import UnknownLock, UnknownTicket
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
@@ -104,8 +103,9 @@ class PgTickets:
                 if release and not t.live and in_line:
                     self.write(cur, to_body(row, ticket_id), leave=True)  # its token died earlier; the lock goes too
                 return None
+            waiting = t.state == WAITING  # promotion happens under the same row lock: it stays so
             t.end(state, reason)
-            self.write(cur, t, leave=release or t.state == WAITING)
+            self.write(cur, t, leave=release or waiting)
             return t
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
@@ -135,39 +135,6 @@ class PgTickets:
             if t.superseded_by and t.state == HELD:
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (ticket_channel(self.db, ticket_id),))
             return t
-
-    def stop(self, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
-        """A waiter leaves the line at once (promotion happens under the same row lock, so it
-        is either still waiting or already holding). A holder's token dies now and it lets go
-        once COMMAND is stopped; one whose processes are gone is let go of here."""
-        with self.db.tx() as cur:
-            Line(self.db, cur, self.repo, self.lock).lock_row()
-            row = read_row(self.db, cur, t.ticket_id, lock=True)
-            if row is None or not self._mine(row):
-                return None
-            t = as_stored(t.ticket_id, row)
-            if not t.live:
-                return None
-            waiting = t.state == WAITING
-            here = t.holder_host == os.uname().nodename
-            gone = here and t.orphaned()
-            t.end(CANCELLED if waiting and state == RELEASED else state, reason)
-            self.write(cur, t, leave=waiting or gone)
-        if not waiting and not gone:
-            if here and t.settled():
-                proc.poke_and_wait(t.holder_pid, t.holder_start, signal.SIGUSR1, within)
-            else:  # elsewhere, or still settling (its take finds the end): until it leaves the line
-                self._await_gone(t.ticket_id, within)
-        return t
-
-    def _await_gone(self, ticket_id: str, within: float) -> None:
-        """A holder on another host lets go at its next look (a third of its lease at most)."""
-        end = time.monotonic() + within
-        while time.monotonic() < end:
-            rows = self.db.q("SELECT line FROM {s}.tickets WHERE id = %s", (ticket_id,))
-            if not rows or not rows[0][0]:
-                return
-            time.sleep(_POLL * 4)
 
     def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
         """A CLI ticket is in line from its create; its agent promotes it once it is its turn.

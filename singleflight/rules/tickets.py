@@ -1,14 +1,15 @@
 """A ticket's end and its views, once for every backend: release (idempotent, held -> released,
 waiting -> cancelled), the end of an orphan, the ticket object of SPEC.md and a lock's status.
 
-A backend only reads and ends tickets, says where one stands in line and whether anyone on
-this host still keeps its lock, and stops a ticket's process (``LockOps.stop``).
+A backend only reads and ends tickets and says where one stands in line; how a ticket's process
+is made to let go (``stop``) is written here once.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 
 from singleflight.core import proc
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 # How long a release waits for the ticket's process to let go of the lock (a holder stops
 # its COMMAND first: TERM, its grace, KILL). Past it the release returns; the lock follows.
 RELEASE_WAIT = 10.0
+# How often a release looks whether a holder elsewhere has let go.
+_OUT_OF_LINE_POLL = 0.05
 
 
 def _tokens(backend: Backend, repo: str, lock: str) -> TokenFiles:
@@ -54,12 +57,45 @@ def release(backend: Backend, lk: LockOps, ticket_id: str) -> Ticket:
         raise UnknownTicket(ticket_id)
     if not t.live:
         return _released_already(t)
-    final = RELEASED if t.state == HELD else CANCELLED
-    ended = lk.stop(t, final, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
+    ended = stop(lk, t, RELEASED, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
     if ended is None:  # it ended on its own meanwhile
         return _released_already(lk.read(ticket_id) or t)
     _remove_token(backend, t)
     return lk.read(ticket_id) or ended
+
+
+def stop(lk: LockOps, t: Ticket, state: str, reason: str, *, within: float) -> Ticket | None:
+    """End a live ticket (its token dies; a waiting one is cancelled) and have its process let go
+    of the lock, waiting at most ``within`` for it. None if it had ended already.
+
+    - A waiter leaves the line at once: the store takes it out (and wakes it).
+    - A holder on this host that has settled is poked: it stops COMMAND first, lets go, exits.
+    - One elsewhere, or still settling (its take finds the end), lets go at its next look: until
+      it is out of the line.
+    - One whose processes are all gone is let go of here and now.
+    """
+    here = t.holder_host in (None, os.uname().nodename)
+    gone = here and t.orphaned()
+    ended = lk.end(t.ticket_id, state, reason, only_if_held=False, release=gone)
+    if ended is None or gone:
+        return ended
+    if ended.fence is None:  # it was waiting: out of the line now, its process told
+        if here:
+            proc.poke_and_wait(ended.holder_pid, ended.holder_start, None, within)
+    elif here and ended.acquired_at is not None:
+        proc.poke_and_wait(ended.holder_pid, ended.holder_start, signal.SIGUSR1, within)
+    else:
+        _await_out_of_line(lk, ended.ticket_id, within)
+    return ended
+
+
+def _await_out_of_line(lk: LockOps, ticket_id: str, within: float) -> None:
+    """A holder elsewhere lets go at its next look (a third of its lease at most)."""
+    deadline = time.monotonic() + within
+    while any(not isinstance(e, dict) and e.ticket_id == ticket_id for e in lk.line().entries):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(_OUT_OF_LINE_POLL)
 
 
 def _released_already(t: Ticket) -> Ticket:
