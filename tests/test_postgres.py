@@ -293,6 +293,29 @@ def test_a_waiters_connection_terminated_as_it_joins(server: PgCluster, procs: P
     assert assert_safe(work) == ["A", "B"]
 
 
+def test_a_waiter_frozen_inside_its_transaction_holds_up_the_line_seconds_at_most(
+    server: PgCluster, procs: Procs, work: Path
+) -> None:
+    """SIGSTOP of a waiter inside the transaction that joins it to the line, where it holds the
+    lock's row (``pause-in-mutex``): every other arrival at that lock waits for that row. The
+    server ends a session idle in a transaction that long, so the next arrival joins and runs
+    after the holder; the frozen one, resumed, finds its transaction gone and never runs beside.
+    (It once held the line for as long as it stayed frozen: a nemesis round caught it.)"""
+    url = procs.env[ENV_BACKEND] = _tenant(server)
+    a = contender(procs, work, "A", lease="6", seconds=60, until=work / "a.go")
+    wait_for(lambda: started(work, "A"), 15, "A to start")
+    b = contender(procs, work, "B", lease="6", seconds=0.3, env={**procs.env, ENV_FAULT: "pause-in-mutex"})
+    wait_for(lambda: proc_state(b.pid) == "T", 15, "B to stop inside its join")
+    c = contender(procs, work, "C", lease="6", seconds=0.3)
+    wait_for(lambda: waiting(url, 1), 15, "C to join the line past the frozen B")
+    (work / "a.go").touch()
+    assert procs.finish(a, timeout=60).returncode == 0
+    assert procs.finish(c, timeout=60).returncode == 0
+    os.kill(b.pid, signal.SIGCONT)
+    assert procs.finish(b, timeout=60).returncode in (0, BUSY)
+    assert assert_safe(work)[:2] == ["A", "C"]
+
+
 def test_the_server_stopped_past_the_lease(server: PgCluster, procs: Procs, work: Path) -> None:
     """SIGSTOP longer than the lease: the holder gives up on its own clock and stops COMMAND
     before the server, resumed, can promote the next; that one runs after it."""

@@ -17,7 +17,8 @@ whose turn came, right before it takes the lock), pause-agent-ready (an agent th
 lock, right before it tells its owner: promoted as its owner's wait runs out), pause-lock-open (a lock
 dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
 pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then),
-pause-in-mutex (a lock dir acquirer joining the line, inside the lock's record mutex).
+pause-in-mutex (a lock dir acquirer joining the line, inside the lock's record mutex;
+on PostgreSQL, inside the transaction that holds the lock's row).
 
 With ``PEARING_FAULT_GATE=PATH`` a pause point waits for PATH to exist instead of stopping (it
 first creates ``PATH.PID``): the process stays runnable, so a test can send it a stop signal

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 # Libpq counts its connect timeout in whole seconds, 2 at least.
 _CONNECT_TIMEOUT = 2
+# A session of ours idle inside a transaction this long is ended by the server. Every transaction
+# of ours is a few statements sent back to back; one idle that long is a client frozen (SIGSTOP,
+# a paused VM) inside it, holding the lock's row that every arrival at that lock waits for.
+_IDLE_IN_TRANSACTION_MS = 5000
 
 
 class DriverMissing(PearingError):
@@ -47,6 +51,12 @@ def _psycopg() -> Any:
     except ImportError:
         raise DriverMissing from None
     return psycopg
+
+
+def _cut_off(pg: Any) -> tuple[type[BaseException], ...]:
+    """What says the connection is gone: the server unreachable or restarted, our backend
+    terminated, or our session ended for idling in a transaction (we were frozen inside it)."""
+    return (pg.OperationalError, pg.InterfaceError, pg.errors.IdleInTransactionSessionTimeout)
 
 
 class Db:
@@ -97,8 +107,11 @@ class Db:
                     )
                 if not self.url.listen:
                     # Behind a pooler in transaction mode (listen=0) the next statement may reach
-                    # another server connection: none prepared on the server.
+                    # another server connection: none prepared on the server, no session setting
+                    # (the pooler's own idle_transaction_timeout does the next one's work there).
                     c.prepare_threshold = None
+                else:
+                    c.execute(f"SET idle_in_transaction_session_timeout = {_IDLE_IN_TRANSACTION_MS}")
             except pg.Error as exc:
                 raise self._unavailable(exc) from None
             self._conn = c
@@ -140,7 +153,7 @@ class Db:
         try:
             with self._watch(c.fileno()), c.transaction(), c.cursor() as cur:
                 yield cur
-        except (pg.OperationalError, pg.InterfaceError) as exc:
+        except _cut_off(pg) as exc:
             raise self._unavailable(exc) from None
 
     def q(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
@@ -151,7 +164,7 @@ class Db:
             with self._watch(c.fileno()), c.cursor() as cur:
                 cur.execute(sql.replace("{s}", self.s), params)
                 return cur.fetchall() if cur.description is not None else []
-        except (pg.OperationalError, pg.InterfaceError) as exc:
+        except _cut_off(pg) as exc:
             raise self._unavailable(exc) from None
 
     def notified(self, timeout: float) -> bool:
@@ -160,7 +173,7 @@ class Db:
         pg = _psycopg()
         try:
             return any(True for _ in self.conn().notifies(timeout=max(0.0, timeout), stop_after=1))
-        except (pg.OperationalError, pg.InterfaceError) as exc:
+        except _cut_off(pg) as exc:
             raise self._unavailable(exc) from None
 
     def ex(self, cur: psycopg.Cursor[Any], sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
@@ -183,7 +196,7 @@ class Db:
                 return
         except (pg.errors.UndefinedTable, pg.errors.InvalidSchemaName):
             pass
-        except (pg.OperationalError, pg.InterfaceError) as exc:
+        except _cut_off(pg) as exc:
             raise self._unavailable(exc) from None
         for attempt in range(5):
             try:
@@ -200,7 +213,7 @@ class Db:
             except (pg.errors.UniqueViolation, pg.errors.DuplicateObject, pg.errors.DuplicateTable):
                 if attempt == 4:
                     raise
-            except (pg.OperationalError, pg.InterfaceError) as exc:
+            except _cut_off(pg) as exc:
                 raise self._unavailable(exc) from None
 
     def _migrate(self, c: psycopg.Connection[Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from singleflight.core import fault
 from singleflight.core.const import QUEUE_LATEST, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, LineFull
 from singleflight.core.ticket import Ticket
@@ -143,6 +144,7 @@ class PgPlace:
         sent = time.monotonic()
         with db.tx() as cur:
             line = Line(db, cur, self.lk.repo, self.lk.lock).lock_row()
+            fault.pause("pause-in-mutex")
             mine = t.ticket_id in [r[0] for r in line.rows]  # before a takeover puts us there
             seq = self.lk.supersede_latest(cur, line, t) if t.queue_mode == QUEUE_LATEST else None
             if self.in_line and not mine:
