@@ -173,10 +173,12 @@ class LockOps(Protocol):
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
     ) -> Ticket | None:
-        """End a ticket (None if it had ended already). Without ``release`` only a holder's token
-        dies: the lock stays taken until the grip is released (COMMAND is still being stopped).
-        A waiting one (``only_if_held=False``) leaves the line at once and its waiter is woken;
-        only while it still waits: one whose turn has just come is ended as a holder."""
+        """End a ticket (None if it had ended already); a waiting one only with ``only_if_held``
+        False. With ``release`` (the caller's own ticket, or one whose processes are all gone) it
+        leaves the line and frees the lock now. Without, a holder's token dies and the lock stays
+        taken until the grip is released (COMMAND is still being stopped); a waiter leaves the
+        line at once and is woken, but only while it still waits: one whose turn has just come
+        is ended as a holder (its process, still settling, finds the end at its take)."""
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
         """Compare-and-set of a live ticket: ``change`` gets it as stored (read again if another

@@ -79,7 +79,7 @@ class EtcdTickets:
             if release and not t.live:
                 self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
             return None
-        if t.state == WAITING:
+        if t.state == WAITING and not release:  # (released: nobody's process is left to start)
             if cancel_waiting(self.mutex, t, kv, reason):
                 return self.read(ticket_id) or t  # out of the line: its waiter's watch sees the key go
             found = ticket_of(self.mutex, ticket_id)  # its turn came meanwhile: it ends as a holder
