@@ -422,6 +422,29 @@ def test_status_lists_holder_and_waiters(backend: str, work_procs: Procs) -> Non
     assert [(x["lock_name"], x["repo"]) for x in default.json] == [("checkin", "default")]
 
 
+def test_status_shows_a_holder_still_stopping_its_command_as_holding(backend: str, procs: Procs, work: Path) -> None:
+    """Released while COMMAND runs its TERM handler: until COMMAND is gone the lock is still taken
+    (an arrival is busy), and status says so on every store, naming the released ticket. The lock
+    dir's said "free" meanwhile, with no holder, while the arrival beside it got 75."""
+    gate = Gate(work)
+    stopping, done = work / "stopping", work / "may-exit"
+    handler = f"trap 'touch {stopping}; while [ ! -e {done} ]; do sleep 0.05; done; exit 0' TERM"
+    run = procs.pr("--job", "st", "--kill-grace", "30", "--", "sh", "-c", f"{handler}; {gate.script()}")
+    gate.wait_ready()
+    ticket = lock_status(procs, "st")["holder"]["ticket_id"]
+    release = procs.start([PEARING_CLI, "release-lock-ticket", "st", ticket], text=True)
+    wait_for(stopping.exists, 15, "COMMAND to be in its TERM handler")
+    st = lock_status(procs, "st")
+    assert st["state"] == "held", st
+    assert (st["holder"]["ticket_id"], st["holder"]["state"]) == (ticket, "released"), st
+    assert procs.pr_run("--job", "st", "--wait-seconds", "0", "--", "true").returncode == ExitCode.BUSY
+    done.touch()
+    assert procs.finish(release).returncode == 0
+    assert procs.finish(run).returncode == ExitCode.LEASE_LOST
+    st = lock_status(procs, "st")
+    assert st["state"] == "free" and st["holder"] is None, st
+
+
 def test_status_is_json_off_a_terminal_and_a_table_on_one(backend: str, work_procs: Procs) -> None:
     acq = _acquire(work_procs)
     assert acq.returncode == 0, acq

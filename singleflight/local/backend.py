@@ -255,6 +255,7 @@ class LocalLock:
                 holders.append(t)
             elif t.state == WAITING:
                 waiters.append(t)
+        holders += slots.stopping(store, {h.ticket_id for h in holders})  # COMMAND still being stopped
         holders.sort(key=lambda h: h.fence or 0)
         total = max([t.slots for t in holders + waiters], default=1)
         order = {n.rpartition(".")[2]: i for i, n in enumerate(queue.live_entries(store))}

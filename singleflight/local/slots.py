@@ -24,6 +24,7 @@ import time
 
 from singleflight.core import proc
 from singleflight.core.const import HELD, TYPE_CHECKING
+from singleflight.core.record import is_uuid
 from singleflight.core.ticket import Ticket, check_slots
 from singleflight.local import queue
 from singleflight.local.queue import POKES, Interrupted, try_flock
@@ -59,6 +60,22 @@ def pointers(store: LockStore) -> list[str]:
         key=lambda n: int(n[7:]),
     )
     return ["holder", *extra]
+
+
+def stopping(store: LockStore, listed: set[str]) -> list[Ticket]:
+    """Holders whose ticket ended (released, its lease lost) while COMMAND is still being
+    stopped: the slot's lock file is still flocked and the ticket its pointer names still has its
+    process. They still hold the lock (an arrival is busy), as etcd's and PostgreSQL's lines
+    show them. (``listed``: the holders found already.)"""
+    named = [(slot_file(slot_of(name)), store.read_pointer(name)) for name in pointers(store)]
+    held = [(lock, tid) for lock, tid in named if tid is not None and tid not in listed]
+    flocked = queue.flocked_now(store.dir, [lock for lock, _ in held]) if held else set()
+    out = []
+    for lock, tid in held:
+        t = store.read_ticket(tid) if lock in flocked and is_uuid(tid) else None
+        if t is not None and t.fence is not None and proc.alive(t.holder_pid, t.holder_start):
+            out.append(t)
+    return out
 
 
 def ever_slotted(store: LockStore) -> bool:
