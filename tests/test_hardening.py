@@ -272,8 +272,35 @@ def test_a_cli_ticket_released_as_its_turn_comes_frees_the_lock_at_once(backend:
     assert c.returncode == 0, f"the lock stayed taken after its ticket was released: {c}"
 
 
-def _ended(procs: Procs, ticket: str) -> bool:
-    t = procs.run_text([PEARING_CLI, "get-lock-ticket", "rt", ticket]).json
+def test_a_ticket_released_before_its_agent_starts_ends_its_owner_by_word_not_by_signal(
+    backend: str, procs: Procs, work: Path
+) -> None:
+    """release-lock-ticket of a pearing-cli ticket whose owner has not yet spawned its agent
+    (``pause-agent-spawn``): the ticket names the owner as its waiter until the agent adopts it.
+    The owner is not in line, so it is not poked (on the lock dir the waiters' signal would kill
+    it: it has no handler for it); it answers with the ticket as it ended."""
+    gate = Gate(work)
+    first = procs.pr("--job", "ro", "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    paused = work / "spawn.go"
+    env = dict(procs.env, PEARING_FAULT="pause-agent-spawn", PEARING_FAULT_GATE=str(paused))
+    argv = [PEARING_CLI, "acquire-lock", "ro", "--request-uuid", str(uuid.uuid4()), "--wait-seconds", "30"]
+    owner = procs.start(argv, env=env, text=True)
+    wait_for(lambda: list(work.glob("spawn.go.*")), 15, "the owner to stop before its agent's spawn")
+    ticket = lock_status(procs, "ro")["waiters"][0]["ticket_id"]
+    release = procs.start([PEARING_CLI, "release-lock-ticket", "ro", ticket], text=True)
+    wait_for(lambda: _ended(procs, ticket, "ro"), 15, "the release to land")
+    paused.touch()
+    r = procs.finish(owner)
+    assert r.returncode >= 0, f"the owner died of a signal: {r}"
+    assert json.loads(r.stdout)["state"] == "cancelled", r
+    assert procs.finish(release).returncode == 0
+    gate.open()
+    assert procs.finish(first).returncode == 0
+
+
+def _ended(procs: Procs, ticket: str, job: str = "rt") -> bool:
+    t = procs.run_text([PEARING_CLI, "get-lock-ticket", job, ticket]).json
     return t["state"] in ("released", "cancelled")
 
 

@@ -190,8 +190,8 @@ class LocalLock:
         # The flock is the grip's: ending the record never frees the lock by itself. A waiter's
         # entry in line is its own (flocked): it is woken to leave it.
         ended = lease.end(self.store, ticket_id, state, reason, only_if_held=only_if_held)
-        if ended is not None and ended.fence is None:
-            lease.wake_waiter(ended)
+        if ended is not None and ended.fence is None and queue.in_line(self.store, ticket_id):
+            lease.wake_waiter(ended)  # only a process in line handles the poke (not an owner's)
         return ended
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:

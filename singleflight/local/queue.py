@@ -110,6 +110,12 @@ def _entries(qdir: Dir) -> list[str]:
     return sorted(n for n in qdir.listdir() if len(n) > 21 and n[20] == "." and set(n[:20]) <= _ASCII_DIGITS)
 
 
+def in_line(store: LockStore, ticket_id: str) -> bool:
+    """Has the ticket an entry in the queue (its waiter is in the wait, or joining or leaving
+    it, with its poke handled or ignored)? Names only: nothing is tried or swept."""
+    return any(n.endswith("." + ticket_id) for n in _entries(store.sub("queue")))
+
+
 def _seq(name: str) -> int:
     return int(name.split(".", 1)[0])
 
