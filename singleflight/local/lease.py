@@ -202,10 +202,17 @@ def poke(t: Ticket, *, waiter: bool = False) -> bool:
     return proc.signal_exact(t.holder_pid, t.holder_start, WAITER_POKE if waiter else signal.SIGUSR1)
 
 
+# How long ending another process's waiting ticket waits for that waiter to leave the line (its
+# entry is its own, flocked: until it goes, an arrival would queue behind it).
+LEAVE_WAIT = 10.0
+
+
 def wake_waiter(t: Ticket) -> None:
-    """Its waiter re-reads the ticket now (``queue.WAITER_POKE``) and leaves the line. Not a
-    process of ours that never waited (the signal would be fatal there, not handled)."""
-    if t.holder_pid != os.getpid() or signal.getsignal(WAITER_POKE) not in (signal.SIG_DFL, None):
+    """Its waiter (in line) re-reads the ticket now (``queue.WAITER_POKE``) and leaves the line;
+    another process's is waited for (``LEAVE_WAIT`` at most), our own only told."""
+    if t.holder_pid != os.getpid():
+        proc.poke_and_wait(t.holder_pid, t.holder_start, WAITER_POKE, LEAVE_WAIT)
+    elif signal.getsignal(WAITER_POKE) not in (signal.SIG_DFL, None):
         poke(t, waiter=True)
 
 

@@ -68,7 +68,8 @@ def stop(lk: LockOps, t: Ticket, state: str, reason: str, *, within: float) -> T
     """End a live ticket (its token dies; a waiting one is cancelled) and have its process let go
     of the lock, waiting at most ``within`` for it. None if it had ended already.
 
-    - A waiter leaves the line at once: the store takes it out (and wakes it).
+    - A waiter leaves the line at once: the store takes it out (the lock dir, where a waiter's
+      own process holds its place, wakes it and waits for it to go).
     - A holder on this host that has settled is poked: it stops COMMAND first, lets go, exits.
     - One elsewhere, or still settling (its take finds the end), lets go at its next look: until
       it is out of the line.
@@ -79,10 +80,9 @@ def stop(lk: LockOps, t: Ticket, state: str, reason: str, *, within: float) -> T
     ended = lk.end(t.ticket_id, state, reason, only_if_held=False, release=gone)
     if ended is None or gone:
         return ended
-    if ended.fence is None:  # it was waiting: out of the line now, its process told
-        if here:
-            proc.poke_and_wait(ended.holder_pid, ended.holder_start, None, within)
-    elif here and ended.acquired_at is not None:
+    if ended.fence is None:  # it was waiting: out of the line now
+        return ended
+    if here and ended.acquired_at is not None:
         proc.poke_and_wait(ended.holder_pid, ended.holder_start, signal.SIGUSR1, within)
     else:
         _await_out_of_line(lk, ended.ticket_id, within)
