@@ -20,6 +20,7 @@ Kinds:
   (gRPC 11, a future revision): codes that otherwise say the request itself is refused.
 - ``lease-not-found``: HTTP 404, gRPC 5 ``etcdserver: requested lease not found``: a genuine
   refusal, the same on every member.
+- ``electing``: HTTP 503, gRPC 14 ``etcdserver: leader changed``: a member during an election.
 
 Threads, one per listener and one per connection, all daemons: nothing here outlives
 ``stop()`` (or, at worst, the test session), and no connection lasts longer than LIFETIME.
@@ -49,6 +50,9 @@ ANSWERS["behind"] = (400, _grpc_error(11, "etcdserver: mvcc: required revision i
 # Hostile kinds, each a member that failed. Not the genuine refusal: it answers for the cluster.
 KINDS = ("drip", *ANSWERS)
 ANSWERS["lease-not-found"] = (404, _grpc_error(5, "etcdserver: requested lease not found"))
+# A member in an election (HTTP 503, gRPC 14): what every member answers for a moment when the
+# leader changed. Not hostile: the client asks again for a while.
+ANSWERS["electing"] = (503, _grpc_error(14, "etcdserver: leader changed"))
 
 
 class HostilePeer:
@@ -59,11 +63,12 @@ class HostilePeer:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.connections = 0  # accepted so far, over every listener
+        self.requests = 0  # answered so far, over every connection
 
     def start(self, kind: str) -> int:
         """A new listener of ``kind`` (see KINDS, or ``lease-not-found``); its port."""
         if kind not in KINDS and kind not in ANSWERS:
-            raise ValueError(f"unknown hostile peer kind {kind!r}: one of {KINDS} or lease-not-found")
+            raise ValueError(f"unknown hostile peer kind {kind!r}: one of {KINDS}, lease-not-found or electing")
         sock = socket.create_server(("127.0.0.1", 0))
         self._listeners.append(sock)
         self._spawn(self._accept, sock, kind)
@@ -143,6 +148,8 @@ class HostilePeer:
                             return
                         buf += chunk
                     buf = buf[length:]
+                    with self._lock:
+                        self.requests += 1
                     conn.sendall(answer)
                 except OSError:
                     return

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, wait_for
 from hostile_peer import KINDS, HostilePeer
 
 from singleflight.core.const import ENV_BACKEND, MAX_FENCE, ExitCode
+from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.client import Cluster, Refused
 from singleflight.etcd.lock import Mutex
 
@@ -195,3 +197,16 @@ def test_a_good_ledger_value_is_read_and_raised(procs: Procs, etcd: EtcdCluster)
     kv = client.get(key)
     client.close()
     assert kv is not None and kv["value"] == b"7"
+
+
+def test_a_leader_election_is_waited_out_for_one_request_timeout(peer: HostilePeer) -> None:
+    """Every member answering "leader changed" (an election, over in moments): the request is
+    asked again for one more request timeout before the cluster counts as out of reach. A waiter
+    once gave up (75) on the first such round, its two members mid-election under CI's load."""
+    port = peer.start("electing")
+    cluster = Cluster(f"etcd://127.0.0.1:{port}", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="leader changed"):
+        cluster.get(cluster.root + "k")
+    assert time.monotonic() - started >= 0.45
+    assert peer.requests >= 5, peer.requests  # asked again, every 50 ms

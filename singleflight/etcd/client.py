@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import time
 
 from singleflight.core import jsontext
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.url import parse_url
-from singleflight.etcd.wire import Conn
+from singleflight.etcd.wire import ELECTION_PAUSE, Conn, election_answer
 
 if TYPE_CHECKING:
     from typing import Any
@@ -199,7 +200,22 @@ class Cluster:
         lapses at its TTL; a revoke or delete of what is gone already does nothing.
         """
         payload = jsontext.dumps(body).encode()
-        errors = []
+        patience: float | None = None
+        while True:
+            errors, electing = self._post_once(path, body, payload)
+            if isinstance(errors, dict):
+                return errors
+            now = time.monotonic()
+            patience = now + self.timeout if patience is None else patience
+            if not electing or now + ELECTION_PAUSE >= patience:
+                raise BackendUnavailable(self.url, "; ".join(errors))
+            time.sleep(ELECTION_PAUSE)
+
+    def _post_once(self, path: str, body: dict[str, Any], payload: bytes) -> tuple[dict[str, Any] | list[str], bool]:
+        """One round over the members: etcd's answer, or each member's error and whether every
+        member answered that an election is on."""
+        errors: list[str] = []
+        electing = True
         for i in range(len(self.endpoints)):
             k = (self.current + i) % len(self.endpoints)
             where = f"{self.endpoints[k][0]}:{self.endpoints[k][1]}"
@@ -211,6 +227,7 @@ class Cluster:
                 status, data = conn.request(API_PATH + path, payload)
             except OSError as exc:
                 errors.append(f"{where}: {type(exc).__name__}")
+                electing = False
                 continue
             if status == 200:
                 try:
@@ -218,9 +235,10 @@ class Cluster:
                 except NotEtcd as exc:
                     conn.close()  # whatever it is, it is not asked again on this connection
                     errors.append(f"{where}: not an etcd answer ({_shown(str(exc))})")
+                    electing = False
                     continue
                 self.current = k
-                return result
+                return result, False
             text = data.decode(errors="replace")
             refused = _refusal(text)
             if refused is not None:
@@ -229,7 +247,8 @@ class Cluster:
             # A member that lost quorum (or its leader), or cannot serve yet, answers with an error:
             # try the next one.
             errors.append(f"{where}: {_shown(text)}")
-        raise BackendUnavailable(self.url, "; ".join(errors))
+            electing = electing and election_answer(text)
+        return errors, electing and bool(errors)
 
     # -- kv ------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import socket
 import time  # loaded at interpreter start-up anyway: no import cost
 
+from singleflight.core import jsontext
+
 # An answer's head larger than this is not the gateway's.
 _MAX_HEAD = 16384
 _READ = 65536
@@ -257,3 +259,26 @@ class Stream:
             raise WireError("watch answer is not a stream")
         self._ended = self._answer.done
         return self._answer.lines()
+
+
+# An election's answers: over in moments (one election timeout or two). When every member gives
+# one, ``Cluster.post`` asks again for one more request timeout before the cluster counts as out
+# of reach: a waiter or a holder must not give up on a leader change (every write of ours is safe
+# to send twice).
+_ELECTION = frozenset(
+    {
+        "etcdserver: leader changed",
+        "etcdserver: no leader",
+        "etcdserver: request timed out, possibly due to previous leader failure",
+    }
+)
+ELECTION_PAUSE = 0.05
+
+
+def election_answer(detail: str) -> bool:
+    """Is a member's error answer one an election gives?"""
+    try:
+        body = jsontext.loads(detail)
+        return isinstance(body, dict) and str(body.get("message") or body.get("error") or "") in _ELECTION
+    except (ValueError, RecursionError):
+        return False
