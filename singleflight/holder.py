@@ -37,6 +37,9 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 HOLDER_SIGNALS = frozenset({signal.SIGUSR1, *_STOP_SIGNALS})
 # poll() takes an int of milliseconds: a ten-year lease must not overflow it.
 _MAX_POLL_MS = 2**31 - 1
+# What a SIGKILL and the reaping of COMMAND's group take, at most: a stop racing the store's
+# expiry of the lease sends KILL at least this long before it.
+_KILL_SLACK = 0.25
 
 
 class HolderConfig:
@@ -277,7 +280,7 @@ class Holder:
             self.tokens.remove(self.lease.ticket.ticket_id)
         if self.cfg.owned_by_wrapper and self.cmd.pid is None:
             self._await_command()
-        self._stop_command()
+        self._stop_command(loss.lapse_at)
         self._release_lock_and_exit()
 
     def _await_command(self) -> None:
@@ -331,12 +334,18 @@ class Holder:
             self.tokens.remove(self.lease.ticket.ticket_id)
         self._release_lock_and_exit()
 
-    def _stop_command(self) -> None:
+    def _stop_command(self, lapse_at: float | None = None) -> None:
         """SIGTERM, SIGKILL after the grace, and wait until the group is gone: only then may
-        the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive)."""
+        the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive). A
+        store out of reach may expire the lease at ``lapse_at`` and promote the next: the grace
+        ends before it, short as that leaves it (a lease under 3 x (grace + 1.5 s) leaves less
+        than the whole grace)."""
         if self.cmd.pid is None or not self.cfg.owned_by_wrapper:
             return
-        group.stop(self.cmd.pid, self.cmd.fd, self.cfg.kill_grace, self.lease.keep, leader_done=self.cmd.done)
+        grace = self.cfg.kill_grace
+        if lapse_at is not None:
+            grace = max(0.0, min(grace, lapse_at - _KILL_SLACK - time.monotonic()))
+        group.stop(self.cmd.pid, self.cmd.fd, grace, self.lease.keep, leader_done=self.cmd.done)
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:

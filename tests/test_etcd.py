@@ -189,13 +189,16 @@ def test_a_request_claimed_again_by_acquire_lock_is_its_own_claim(
     _release(procs, job, t["ticket_id"])
 
 
+@pytest.mark.parametrize(("lease", "grace"), [("6", "1"), ("3", "2")])
 def test_partitioned_holder_loses_its_lease(
-    cluster: Cluster, procs: Procs, work: Path, job: str, env: dict[str, str]
+    cluster: Cluster, procs: Procs, work: Path, job: str, env: dict[str, str], lease: str, grace: str
 ) -> None:
     """The holder talks only to a member we freeze: its lease lapses in the cluster, the
     waiter (on the other members) is promoted with a larger fence, the holder stops its
     COMMAND and exits 124, and the guard refuses the stale token. The holder gives up
-    early enough that its COMMAND (which ignores SIGTERM) is dead before the waiter starts."""
+    early enough that its COMMAND (which ignores SIGTERM) is dead before the waiter starts.
+    With a lease under 3 x (grace + 1.5 s) that leaves less than the whole grace: the grace is
+    cut to what is left of the lease (it used to run whole, past the lease: two COMMANDs)."""
     lonely, *others = cluster.members
     gate = Gate(work)
     holder_env = dict(env, **{ENV_BACKEND: cluster.url_of(lonely)})
@@ -207,7 +210,7 @@ def test_partitioned_holder_loses_its_lease(
         f"while :; do date +%s%N > {alive}.tmp && mv {alive}.tmp {alive}; sleep 0.01; done"
     )
     holder = procs.pr(
-        "--job", job, "--lease-seconds", "6", "--kill-grace", "1", "--", "sh", "-c", script, env=holder_env
+        "--job", job, "--lease-seconds", lease, "--kill-grace", grace, "--", "sh", "-c", script, env=holder_env
     )  # fmt: skip
     gate.wait_ready()
     waiter = procs.pr(

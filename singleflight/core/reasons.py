@@ -50,11 +50,16 @@ class EndReason(str, Enum):
 class Loss:
     """A lost lease (or a released one) as a holder reports it: the reason and its text."""
 
-    __slots__ = ("reason", "text")
+    __slots__ = ("lapse_at", "reason", "text")
 
-    def __init__(self, reason: EndReason, detail: object = None, *, text: str | None = None) -> None:
+    def __init__(
+        self, reason: EndReason, detail: object = None, *, text: str | None = None, lapse_at: float | None = None
+    ) -> None:
         self.reason = reason
         self.text = text if text is not None else reason.text(detail)
+        # A loss to a store out of reach: when (monotonic) the store may expire the lease and
+        # promote the next. COMMAND must be dead by then, whatever its kill grace.
+        self.lapse_at = lapse_at
 
     def __str__(self) -> str:
         return self.text

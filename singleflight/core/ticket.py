@@ -382,12 +382,13 @@ def hold_gone(record: Ticket | None) -> Loss:
     return Loss(EndReason.LEASE_EXPIRED)
 
 
-def unreachable_loss(now: float, deadline: float, cut_off: float) -> Loss | None:
+def unreachable_loss(now: float, deadline: float, cut_off: float, lapse_at: float) -> Loss | None:
     """A holder's verdict while its network store cannot be reached: its lease is over at its
     deadline (nobody could have heartbeated through it), and it gives up at its cut-off (a margin
-    before the store could expire it: no more requests, the kill grace is counting)."""
+    before the store could expire it, at ``lapse_at``: no more requests, the kill grace is
+    counting, and it ends by then)."""
     if now >= deadline:
-        return Loss(EndReason.LEASE_EXPIRED)
+        return Loss(EndReason.LEASE_EXPIRED, lapse_at=lapse_at)
     if now >= cut_off:
-        return Loss(EndReason.UNREACHABLE)
+        return Loss(EndReason.UNREACHABLE, lapse_at=lapse_at)
     return None

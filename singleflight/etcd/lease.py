@@ -225,7 +225,7 @@ class EtcdLease:
         except BackendUnavailable:
             self.unreachable = True
         if self.unreachable:
-            loss = unreachable_loss(now, self.deadline, self._cut_off())
+            loss = unreachable_loss(now, self.deadline, self._cut_off(), self.kept_at + self.ttl)
             if loss is None:
                 self._schedule()
             return loss
