@@ -335,17 +335,11 @@ class Holder:
         self._release_lock_and_exit()
 
     def _stop_command(self, lapse_at: float | None = None) -> None:
-        """SIGTERM, SIGKILL after the grace, and wait until the group is gone: only then may
-        the lock change hands. The lock is kept ours meanwhile (an etcd lease kept alive). A
-        store out of reach may expire the lease at ``lapse_at`` and promote the next: the grace
-        ends before it, short as that leaves it (a lease under 3 x (grace + 1.5 s) leaves less
-        than the whole grace)."""
-        if self.cmd.pid is None or not self.cfg.owned_by_wrapper:
-            return
-        grace = self.cfg.kill_grace
-        if lapse_at is not None:
-            grace = max(0.0, min(grace, lapse_at - _KILL_SLACK - time.monotonic()))
-        group.stop(self.cmd.pid, self.cmd.fd, grace, self.lease.keep, leader_done=self.cmd.done)
+        """SIGTERM, SIGKILL after the grace (``_grace``), and wait until the group is gone: only
+        then may the lock change hands. The lock is kept ours meanwhile (a lease kept alive)."""
+        if self.cmd.pid is not None and self.cfg.owned_by_wrapper:
+            grace = _grace(self.cfg.kill_grace, lapse_at)
+            group.stop(self.cmd.pid, self.cmd.fd, grace, self.lease.keep, leader_done=self.cmd.done)
 
     def _release_lock_and_exit(self) -> NoReturn:
         try:
@@ -357,6 +351,15 @@ class Holder:
         if self.chan is not None:
             self.chan.send(protocol.Message(protocol.RELEASED))
             self.chan.close()
+
+
+def _grace(kill_grace: float, lapse_at: float | None) -> float:
+    """The kill grace, or less: a store out of reach may expire the lease at ``lapse_at`` and
+    promote the next, so COMMAND's group is killed before then (a lease under 3 x (grace + 1.5 s)
+    leaves less than the whole grace)."""
+    if lapse_at is None:
+        return kill_grace
+    return max(0.0, min(kill_grace, lapse_at - _KILL_SLACK - time.monotonic()))
 
 
 def _ignore(signum: int, frame: object) -> None:

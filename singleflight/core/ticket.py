@@ -385,10 +385,12 @@ def hold_gone(record: Ticket | None) -> Loss:
 def unreachable_loss(now: float, deadline: float, cut_off: float, lapse_at: float) -> Loss | None:
     """A holder's verdict while its network store cannot be reached: its lease is over at its
     deadline (nobody could have heartbeated through it), and it gives up at its cut-off (a margin
-    before the store could expire it, at ``lapse_at``: no more requests, the kill grace is
-    counting, and it ends by then)."""
+    before the store could expire it, at ``lapse_at``: no more requests, and the kill grace ends
+    by then)."""
     if now >= deadline:
-        return Loss(EndReason.LEASE_EXPIRED, lapse_at=lapse_at)
+        # Past its own deadline: frozen, most likely, while the wrapper kept the lease (then the
+        # whole grace is COMMAND's) or did not (then nothing left is ours to race).
+        return Loss(EndReason.LEASE_EXPIRED)
     if now >= cut_off:
         return Loss(EndReason.UNREACHABLE, lapse_at=lapse_at)
     return None
