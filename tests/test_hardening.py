@@ -249,18 +249,12 @@ def test_a_cli_ticket_released_as_its_turn_comes_frees_the_lock_at_once(backend:
     """The same for a pearing-cli ticket: its agent, its turn come, finds the ticket released
     before it takes the lock. It lets go of the lock then and there; on etcd and PostgreSQL it
     used to leave the key (the row) holding until its 60 s lease ran out: every run busy."""
-    gate = Gate(work)
-    first = procs.pr("--job", "rt", "--", "sh", "-c", gate.script())
-    gate.wait_ready()
-    paused = work / "take.go"
-    env = dict(procs.env, PEARING_FAULT="pause-agent-take", PEARING_FAULT_GATE=str(paused))
-    argv = [PEARING_CLI, "acquire-lock", "rt", "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "60"]
-    owner = procs.start([*argv, "--wait-seconds", "30"], env=env, text=True)
+    gate, first, owner, paused = _held_and_a_cli_owner_paused_at(procs, work, "rt", "pause-agent-take")
     wait_for(lambda: _waiters(procs, "rt") == 1, 15, "the CLI ticket to queue")
     ticket = lock_status(procs, "rt")["waiters"][0]["ticket_id"]
     gate.open()
     assert procs.finish(first).returncode == 0
-    wait_for(lambda: list(work.glob("take.go.*")), 15, "its agent to stop right before it takes the lock")
+    wait_for(lambda: list(work.glob("agent.go.*")), 15, "its agent to stop right before it takes the lock")
     release = procs.start([PEARING_CLI, "release-lock-ticket", "rt", ticket], text=True)
     wait_for(lambda: _ended(procs, ticket), 15, "the release to land")
     paused.touch()
@@ -279,14 +273,8 @@ def test_a_ticket_released_before_its_agent_starts_ends_its_owner_by_word_not_by
     (``pause-agent-spawn``): the ticket names the owner as its waiter until the agent adopts it.
     The owner is not in line, so it is neither poked (on the lock dir the waiters' signal would
     kill it: it has no handler for it) nor waited for; it answers with the ticket as it ended."""
-    gate = Gate(work)
-    first = procs.pr("--job", "ro", "--", "sh", "-c", gate.script())
-    gate.wait_ready()
-    paused = work / "spawn.go"
-    env = dict(procs.env, PEARING_FAULT="pause-agent-spawn", PEARING_FAULT_GATE=str(paused))
-    argv = [PEARING_CLI, "acquire-lock", "ro", "--request-uuid", str(uuid.uuid4()), "--wait-seconds", "30"]
-    owner = procs.start(argv, env=env, text=True)
-    wait_for(lambda: list(work.glob("spawn.go.*")), 15, "the owner to stop before its agent's spawn")
+    gate, first, owner, paused = _held_and_a_cli_owner_paused_at(procs, work, "ro", "pause-agent-spawn")
+    wait_for(lambda: list(work.glob("agent.go.*")), 15, "the owner to stop before its agent's spawn")
     ticket = lock_status(procs, "ro")["waiters"][0]["ticket_id"]
     release = procs.start([PEARING_CLI, "release-lock-ticket", "ro", ticket], text=True)
     # Nor is it waited for: the release returns while the owner is still stopped.
@@ -298,6 +286,21 @@ def test_a_ticket_released_before_its_agent_starts_ends_its_owner_by_word_not_by
     assert json.loads(r.stdout)["state"] == "cancelled", r
     gate.open()
     assert procs.finish(first).returncode == 0
+
+
+def _held_and_a_cli_owner_paused_at(
+    procs: Procs, work: Path, job: str, point: str
+) -> tuple[Gate, subprocess.Popen[bytes], subprocess.Popen[str], Path]:
+    """A run holding ``job`` until its gate opens, and a pearing-cli acquire-lock (60 s lease,
+    30 s wait) that stops at the fault ``point`` until ``work/agent.go`` exists (``agent.go.PID``
+    says it has stopped there)."""
+    gate = Gate(work)
+    first = procs.pr("--job", job, "--", "sh", "-c", gate.script())
+    gate.wait_ready()
+    paused = work / "agent.go"
+    env = dict(procs.env, PEARING_FAULT=point, PEARING_FAULT_GATE=str(paused))
+    argv = [PEARING_CLI, "acquire-lock", job, "--request-uuid", str(uuid.uuid4()), "--lease-seconds", "60"]
+    return gate, first, procs.start([*argv, "--wait-seconds", "30"], env=env, text=True), paused
 
 
 def _ended(procs: Procs, ticket: str, job: str = "rt") -> bool:
