@@ -246,6 +246,7 @@ class Step:
     how: str = ""
     dead_ns: int | None = None
     dead_seen: str = ""  # "pidfd": exact; "late": already gone when first looked at
+    alive_ns: int | None = None  # a pidfd death: when a poll last found it alive (it died after)
 
     @property
     def stop_ns(self) -> int:
@@ -257,6 +258,8 @@ class Step:
 
     def describe(self, t0: int) -> str:
         end = f"end line ({self.how})" if self.end_ns is not None else f"death seen by {self.dead_seen}"
+        if self.end_ns is None and self.alive_ns is not None:
+            end += f", alive at {(self.alive_ns - t0) / 1e9:.3f}s"
         return (
             f"fence {self.fence} contender {self.cid} pid {self.pid} "
             f"[{(self.start_ns - t0) / 1e9:.3f}s, {(self.stop_ns - t0) / 1e9:.3f}s] ({end})"
@@ -288,6 +291,7 @@ class Watcher(threading.Thread):
         self._partial = b""
         self._by_pid: dict[int, Step] = {}
         self._watch: dict[int, Step] = {}
+        self._alive: dict[int, int] = {}  # pidfd -> when a poll last found its COMMAND alive
         self._poller = select.poll()
         self._stopping = threading.Event()
 
@@ -312,8 +316,12 @@ class Watcher(threading.Thread):
         try:
             while True:
                 self._read()
-                for fd, _ev in self._poller.poll(5):
+                entered = time.monotonic_ns()
+                dead = [fd for fd, _ev in self._poller.poll(5)]
+                for fd in dead:
                     self._died(fd)
+                for fd in self._watch.keys() - set(dead):  # found alive by that poll: alive then
+                    self._alive[fd] = entered
                 if self._stopping.is_set() and not self._watch:
                     return
         except BaseException as exc:
@@ -326,6 +334,7 @@ class Watcher(threading.Thread):
         with self._mutex:
             step = self._watch.pop(fd)
             step.dead_ns, step.dead_seen = now, "pidfd"
+            step.alive_ns = max(self._alive.pop(fd, step.start_ns), step.start_ns)
 
     def _read(self) -> None:
         try:

@@ -30,12 +30,21 @@ _ALIVE = 12
 _COMMAND = str(Path(__file__).with_name("nemesis_command.py"))
 
 
-def _most_at_once(steps: list[Step]) -> int:
-    events = sorted([(s.start_ns, 1) for s in steps] + [(s.stop_ns, -1) for s in steps])
-    now = most = 0
-    for _, step in events:
-        now += step
-        most = max(most, now)
+def _most_at_once(steps: list[Step], *, certain: bool = False) -> tuple[int, list[Step]]:
+    """The most COMMANDs alive at one moment, and which. ``certain``: a killed COMMAND counts only
+    until the watcher last found it alive, not until it saw it dead (how late the watcher looks
+    is not the product's)."""
+
+    def stop(s: Step) -> int:
+        return s.alive_ns if certain and s.end_ns is None and s.alive_ns is not None else s.stop_ns
+
+    events = sorted([(s.start_ns, 1, i) for i, s in enumerate(steps)] + [(stop(s), -1, i) for i, s in enumerate(steps)])
+    alive: set[int] = set()
+    most: tuple[int, list[Step]] = (0, [])
+    for _, step, i in events:
+        alive.add(i) if step > 0 else alive.discard(i)
+        if len(alive) > most[0]:
+            most = (len(alive), [steps[j] for j in sorted(alive)])
     return most
 
 
@@ -110,8 +119,12 @@ def test_a_storm_with_kills_on_four_slots(backend: str, procs: Procs, work: Path
     assert len(steps) >= _CONTENDERS - _KILLS, f"only {len(steps)} COMMANDs ran"
     assert all(s.pid in slot_of and slot_of[s.pid][1] == s.fence for s in steps)
     assert {slot_of[s.pid][0] for s in steps} <= set(range(_SLOTS))
-    summary = f"seed {_SEED}: {len(steps)} COMMANDs, {len(kills)} kills"
-    assert _most_at_once(steps) <= _SLOTS, summary
+    summary = f"seed {_SEED}: {len(steps)} COMMANDs, {len(kills)} kills {kills}"
+    t0 = min(s.start_ns for s in steps)
+    most, which = _most_at_once(steps)
+    seen = "\n".join(f"slot {slot_of[s.pid][0]}: {s.describe(t0)}" for s in which)
+    print(f"{summary}: at most {most} at once, {_most_at_once(steps, certain=True)[0]} certainly:\n{seen}")
+    assert most <= _SLOTS, f"{summary}: {most} at once:\n{seen}"
     fences = [s.fence for s in steps]
     assert len(fences) == len(set(fences)), f"{summary}: a fence issued twice"
     for slot in range(_SLOTS):
