@@ -141,12 +141,7 @@ class LockOps(Protocol):
         """Arrive: the lock itself when it is free and nobody is in line (the place then needs no
         ``leave``), else no grip and a place to queue from."""
 
-    # -- --cancel-in-progress: what rules/events.py needs of a store --------------------------
-    def holder_records(self) -> list[Ticket]:
-        """The tickets holding, as recorded now (their tokens may have died already), lowest
-        fence first: the one first in line, or with ``--slots`` every slot's. Another client's
-        key is not a ticket: left out."""
-
+    # -- --cancel-in-progress: what rules/events.py needs of a store (the holders: ``line``) ---
     def end_superseded(
         self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
     ) -> str | None:

@@ -157,9 +157,6 @@ class EtcdLock(EtcdTickets):
     # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
     # the holder watches its key (``EtcdLease``) ------------------------------------------
 
-    def holder_records(self) -> list[Ticket]:
-        return [t for t, _ in events.holder_records(self.mutex)]
-
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
     ) -> str | None:

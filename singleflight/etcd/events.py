@@ -151,18 +151,6 @@ def _taken_already(mutex: Mutex, me: Ticket, lease: int, r: dict[str, Any]) -> t
     return None, 0
 
 
-def holder_records(mutex: Mutex) -> list[tuple[Ticket, dict[str, Any]]]:
-    """The keys that hold and their tickets as stored: the first in line, or with ``--slots N``
-    the first N (another client's key left out)."""
-    r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=1)], [])
-    head = ranged(r, 0)[0]
-    h = parse(head[0]["value"]) if head else None
-    if h is not None and h.slots > 1:
-        r = mutex.cluster.txn([], [op_range(mutex.q, prefix=True, sort="ASCEND", limit=h.slots)], [])
-        head = ranged(r, 0)[0]
-    return [(t, kv) for kv in head if (t := parse(kv["value"])) is not None]
-
-
 def mark_superseded(mutex: Mutex, holder: Ticket, by: str | None, kv: dict[str, Any]) -> bool:
     """``superseded_by`` into the holder's key, by compare-and-swap on its mod revision (an
     opted-in holder watches its key: it is told in moments, from any host)."""

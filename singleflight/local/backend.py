@@ -103,7 +103,7 @@ class LocalLock:
 
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
-    def holder_records(self) -> list[Ticket]:
+    def _holder_records(self) -> list[Ticket]:
         found = []
         for name in slots.pointers(self.store):
             holder_id = self.store.read_pointer(name)
@@ -179,7 +179,7 @@ class LocalLock:
     def _taken(self) -> bool:
         """Does a live holder have the lock now? (Its pointer, not the flock: a probe of the
         flock would turn a run that finds the lock free into a waiter for that instant.)"""
-        return any(h.state == HELD and proc.alive(h.holder_pid, h.holder_start) for h in self.holder_records())
+        return any(h.state == HELD and proc.alive(h.holder_pid, h.holder_start) for h in self._holder_records())
 
     def read(self, ticket_id: str) -> Ticket | None:
         return self.store.read_ticket(ticket_id)

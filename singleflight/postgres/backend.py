@@ -152,21 +152,6 @@ class PgLock(PgTickets):
 
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
-    def holder_records(self) -> list[Ticket]:
-        with self.db.tx() as cur:
-            rows = self.db.ex(
-                cur,
-                """SELECT id, body, fence FROM {s}.tickets WHERE scope = %s AND name = %s AND line AND hold
-                   ORDER BY fence""",
-                (self.repo, self.lock),
-            )
-        out = []
-        for r in rows:
-            t = to_ticket(r[0], r[1])
-            t.fence = r[2]
-            out.append(t)
-        return out
-
     def end_superseded(
         self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
     ) -> str | None:

@@ -59,7 +59,7 @@ def stands(lk: LockOps, by: str) -> bool:
 def target(lk: LockOps, ticket: Ticket) -> Asked | None:
     """The holder ``ticket`` may ask to stop. Only read: the request is made once we are in line
     (``ask``), where the holder can see that we wait."""
-    for h in lk.holder_records():  # with --slots: the opted-in one with the lowest fence
+    for h in holders(lk):  # with --slots: the opted-in one with the lowest fence
         asked = _askable(lk, h, ticket)
         if asked is not None:
             return asked
@@ -68,7 +68,15 @@ def target(lk: LockOps, ticket: Ticket) -> Asked | None:
 
 def _holder(lk: LockOps, ticket_id: str) -> Ticket | None:
     """The holder ``ticket_id`` as recorded now, if it still holds (or is being stopped)."""
-    return next((h for h in lk.holder_records() if h.ticket_id == ticket_id), None)
+    return next((h for h in holders(lk) if h.ticket_id == ticket_id), None)
+
+
+def holders(lk: LockOps) -> list[Ticket]:
+    """The tickets holding as the line stands (their tokens may have died already: COMMAND being
+    stopped), lowest fence first: the one first in line, or with ``--slots`` every slot's.
+    Another client's key is not a ticket: left out."""
+    line = lk.line()
+    return [e for e in line.entries[: line.holders] if not isinstance(e, dict)]
 
 
 def _mark(lk: LockOps, holder: Ticket, by: str | None) -> bool:
