@@ -52,12 +52,10 @@ class Grip(Protocol):
     either keeps its copy of the fd; an etcd lease is kept alive by both.
     """
 
-    @property
-    def keep_every(self) -> float | None:
-        """How often ``keep`` must be called while COMMAND lives (None: never needed)."""
-
-    def keep(self) -> None:
-        """Keep the lock ours a while longer (an etcd keepalive); never raises."""
+    def keep(self) -> float | None:
+        """While COMMAND lives: keep the lock ours a while longer once that is due (an etcd
+        keepalive; a call before then sends nothing); never raises. How many seconds until it is
+        due again; None: never (the lock dir's fd keeps it), and no need to call again."""
 
     def still_ours(self) -> bool:
         """Right before COMMAND starts: is the lock certainly still ours? (An etcd lease that

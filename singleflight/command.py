@@ -137,18 +137,14 @@ class Child:
         # An etcd lease is kept alive by the wrapper too, whatever the heartbeat mode (heartbeats
         # are recorded apart from it): a holder frozen (SIGSTOP, a swap storm) must not let the
         # lease lapse into a second COMMAND while ours runs.
-        every = grip.keep_every if grip is not None else None
-        if self.tty.fd >= 0:
-            every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
-        timeout = None if every is None else int(every * 1000)
         try:
             while True:
-                events = poller.poll(timeout)
-                if not events:
-                    if grip is not None:
-                        grip.keep()
-                    if self.tty.fd >= 0 and (code := self._relay_stop(pid)) is not None:
-                        return code
+                every = grip.keep() if grip is not None else None  # sends only once it is due
+                if self.tty.fd >= 0:
+                    every = min(every or JOB_CONTROL_POLL, JOB_CONTROL_POLL)  # a pidfd says nothing of stops
+                events = poller.poll(None if every is None else max(1, int(every * 1000)))
+                if not events and self.tty.fd >= 0 and (code := self._relay_stop(pid)) is not None:
+                    return code
                 for fd, _ev in events:
                     if fd == pidfd:
                         _, status = os.waitpid(pid, 0)

@@ -101,11 +101,10 @@ class HeldRun:
     def _await_ready(self, chan: Channel, grip: Grip) -> protocol.Message | None:
         """The holder's first word, keeping the lock meanwhile: a holder frozen right after the
         fork must not let an etcd lease lapse into the next waiter's run before ours starts."""
-        if grip.keep_every is None:
-            return chan.recv()
-        while (msg := chan.recv_until(time.monotonic() + grip.keep_every)) is None and not chan.eof:
-            grip.keep()
-        return msg
+        while (every := grip.keep()) is not None:
+            if (msg := chan.recv_until(time.monotonic() + every)) is not None or chan.eof:
+                return msg
+        return chan.recv()
 
     def _hand_over(self, grip: Grip) -> Channel | None:
         """The grip to the holder forked as we started to wait; None if there is none (or it died)."""

@@ -31,7 +31,7 @@ def killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def wait_for_exit(pidfd: int, seconds: float, keep: Callable[[], None]) -> bool:
+def wait_for_exit(pidfd: int, seconds: float, keep: Callable[[], object]) -> bool:
     """Wait for the process behind ``pidfd`` to exit, at most ``seconds``, calling ``keep`` meanwhile."""
     deadline = time.monotonic() + min(seconds, _MAX_SELECT_S)
     while True:
@@ -43,7 +43,7 @@ def wait_for_exit(pidfd: int, seconds: float, keep: Callable[[], None]) -> bool:
         keep()
 
 
-def wait_for_group(pgid: int, keep: Callable[[], None]) -> None:
+def wait_for_group(pgid: int, keep: Callable[[], object]) -> None:
     """After SIGKILL: until no member of the group is left (zombies do not count)."""
     deadline = time.monotonic() + _GROUP_GONE_WITHIN
     kept = time.monotonic()
@@ -54,7 +54,7 @@ def wait_for_group(pgid: int, keep: Callable[[], None]) -> None:
         time.sleep(0.005)
 
 
-def stop(pgid: int, pidfd: int | None, grace: float, keep: Callable[[], None], *, leader_done: bool = False) -> None:
+def stop(pgid: int, pidfd: int | None, grace: float, keep: Callable[[], object], *, leader_done: bool = False) -> None:
     """Stop the group led by ``pgid``: TERM (unless its leader is gone already), its ``grace``
     for the leader (``pidfd``) to exit, then KILL for whatever is left, and wait for it all."""
     if not leader_done:

@@ -50,7 +50,8 @@ class EtcdGrip:
         self.ttl = ttl
         # A promoted waiter's key rides on its waiting lease until the holder settles; at most
         # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
-        self.keep_every: float | None = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
+        self._every = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
+        self._tried_at = min(kept_at, waiting_kept_at) if waiting_lease else kept_at
 
     def handover(self) -> tuple[dict[str, Any], set[int]]:
         """All of it is data: the lease and key (no fd)."""
@@ -90,7 +91,17 @@ class EtcdGrip:
             keep_lease=int(info["keep_lease"]),
         )
 
-    def keep(self) -> None:
+    def keep(self) -> float:
+        """A keepalive of every lease the key may ride on, once a third of the shortest has gone
+        since the last try; how long until the next is due."""
+        now = time.monotonic()
+        if (left := self._tried_at + self._every - now) > 0:
+            return left
+        self._tried_at = now
+        self._keepalive()
+        return self._every
+
+    def _keepalive(self) -> None:
         with contextlib.suppress(BackendUnavailable, Refused):
             sent = time.monotonic()
             if self.cluster.keepalive(self.lease) > 0:
@@ -109,7 +120,7 @@ class EtcdGrip:
             fresh = fresh and now - self.waiting_kept_at < WAIT_TTL / 2
         if fresh:
             return True
-        self.keep()
+        self._keepalive()
         try:
             kv = self.cluster.get(str(self.kv["key"]))
         except BackendUnavailable:

@@ -29,13 +29,11 @@ class FlockGrip:
     one flock: the wrapper's and the holder's copies (fork, or SCM_RIGHTS) keep the lock until
     both are closed."""
 
-    keep_every = None
-
     def __init__(self, fd: int, slot: int = 0) -> None:
         self.fd, self.slot = fd, slot
 
     def keep(self) -> None:
-        """The fd keeps the lock by being open."""
+        """The fd keeps the lock by being open: never due."""
 
     def still_ours(self) -> bool:
         return True  # the kernel keeps a flock for as long as the fd is open, frozen or not

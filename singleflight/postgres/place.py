@@ -41,7 +41,7 @@ class PgGrip:
     def __init__(self, url: str, ticket_id: str, fence: int, slot: int, token: str, ttl: float, kept_at: float) -> None:  # noqa: PLR0917 (the parts ``handover`` lists)
         self.url, self.ticket_id, self.fence, self.slot, self.token = url, ticket_id, fence, slot, token
         self.ttl, self.kept_at = ttl, kept_at
-        self.keep_every: float | None = min(ttl / 3, _KEEP_AT_MOST_EVERY)
+        self._every, self._tried_at = min(ttl / 3, _KEEP_AT_MOST_EVERY), kept_at
         self._db: Db | None = None
 
     @property
@@ -81,9 +81,15 @@ class PgGrip:
         self.kept_at = sent  # counted from before we asked: the database's clock started no earlier
         return True
 
-    def keep(self) -> None:
+    def keep(self) -> float:
+        """The lease kept, once a third of it has gone since the last try; how long until the next."""
+        now = time.monotonic()
+        if (left := self._tried_at + self._every - now) > 0:
+            return left
+        self._tried_at = now
         with contextlib.suppress(BackendUnavailable):
             self._keep()
+        return self._every
 
     def still_ours(self) -> bool:
         """Kept within half the lease: certainly ours, no request. Else look (wrapper and holder
