@@ -31,7 +31,7 @@ import sys
 import threading
 
 from singleflight.acquire import acquire
-from singleflight.backend import open_backend
+from singleflight.backend import Opened, open_backend
 from singleflight.core import fault, protocol
 from singleflight.core.const import CANCELLED, WAITING, ExitCode
 from singleflight.core.errors import LineFull, NotHeld, PearingError
@@ -102,8 +102,8 @@ def main(argv: list[str]) -> int:
 
 def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], *, mode: str | None) -> int:
     repo, lock, ticket_id = where
-    backend = open_backend(url, lock_dir)
-    lk = backend.lock(repo, lock, create=False)
+    at = Opened(url, lock_dir)
+    lk = at.backend.lock(repo, lock, create=False)
     # From here on the ticket's liveness is ours (the CLI call may exit).
     ticket = tickets.adopt(lk, ticket_id, os.getpid())
     if ticket is None:
@@ -163,7 +163,7 @@ def _agent(chan: Channel, url: str, lock_dir: str, where: tuple[str, str, str], 
         chan.rfd = -1
     cfg = HolderConfig(heartbeat_auto=mode == "auto", owned_by_wrapper=False)
     # Unblocks: a poke that came meanwhile is handled now.
-    Holder(backend, lk, lease, cfg, chan).serve()
+    Holder(at, lk, lease, cfg, chan).serve()
 
 
 class _Owner:

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from singleflight import guard, ops
-from singleflight.backend import backend_url, open_backend
+from singleflight.backend import Opened, backend_url, open_backend
 from singleflight.core import identity as identities
 from singleflight.core import names, proc, protocol
 from singleflight.core.const import (
@@ -109,7 +109,7 @@ class Held:
             raise LeaseLost(self.ticket_id, self.lost)
         lk = self._lock
         seconds = lk.lease_seconds if lease_seconds is None else names.lease_seconds(lease_seconds, "lease_seconds")
-        b = open_backend(lk.backend, lk.lock_dir)
+        b = Opened(lk.backend, lk.lock_dir)
         try:
             ops.heartbeat(b, lk.name, lk.repo, self.ticket_id, seconds)
         except NotHeld as exc:
@@ -189,7 +189,7 @@ class Lock:
         if self._used and not self._own_uuid:
             self.request_uuid = new_uuid4()  # a new acquisition, not a replay of the last one
         self._used = True
-        backend = open_backend(self.backend, self.lock_dir)
+        backend = Opened(self.backend, self.lock_dir)
         try:
             out, chan = ops.acquire(
                 backend,
@@ -262,7 +262,7 @@ class Lock:
 
     def _leave(self, ticket: dict[str, Any]) -> None:
         """Give up a kept waiting ticket (an AsyncLock's wait that was cancelled)."""
-        backend = open_backend(self.backend, self.lock_dir)
+        backend = Opened(self.backend, self.lock_dir)
         try:
             with contextlib.suppress(PearingError):
                 ops.release(backend, self.name, self.repo, ticket["ticket_id"])

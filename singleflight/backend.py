@@ -190,8 +190,8 @@ class LockOps(Protocol):
 
 
 class Backend(Protocol):
-    url: str
-    lock_dir: str
+    """A store of locks, opened from its URL and this host's lock dir (``open_backend``); those two
+    are its opener's (``Opened``), not something a store publishes."""
 
     def close(self) -> None: ...
 
@@ -251,6 +251,21 @@ def backend_url(flag: str | None, env_value: str | None) -> str:
         raise BadValue("backend", url, f"must be {schemes.forms()}")
     scheme.validate(url)
     return url
+
+
+class Opened:
+    """A backend as a front end opened it, with where it is: its ``url`` (what an agent started
+    for a ticket opens too) and this host's ``lock_dir`` (token files are there on every
+    backend). What the seed's commands (``singleflight.ops``) are given."""
+
+    __slots__ = ("backend", "lock_dir", "url")
+
+    def __init__(self, url: str | None, lock_dir: str, *, create: bool = True) -> None:
+        self.url, self.lock_dir = backend_url(url, None), lock_dir
+        self.backend = open_backend(self.url, lock_dir, create=create)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def open_backend(url: str | None, lock_dir: str, *, create: bool = True) -> Backend:

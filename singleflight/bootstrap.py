@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from singleflight.backend import open_backend
+from singleflight.backend import Opened
 from singleflight.core import fault, protocol
 from singleflight.core.const import TYPE_CHECKING, ExitCode
 from singleflight.core.errors import NotHeld, PearingError
@@ -64,8 +64,8 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
     grip (as the run started to wait), first wait for it."""
     try:
         # Fresh handles: detaching closed every fd of the wrapper's but the grip's.
-        backend = open_backend(o.backend, o.lock_dir)
-        lk = backend.lock(o.repo, o.job, create=False)
+        at = Opened(o.backend, o.lock_dir)
+        lk = at.backend.lock(o.repo, o.job, create=False)
         held: Grip | dict[str, Any] | None = grip
         if held is None:
             token_hash("")  # its hash module loaded now, while the run waits, not after the fence
@@ -88,7 +88,7 @@ def _serve(o: RunOptions, ticket: Ticket, grip: Grip | None, cfg: HolderConfig, 
             chan.send(protocol.lost(loss or Loss(EndReason.LAPSED_BEFORE_START)))
             return ExitCode.OK
         chan.send(protocol.ready(taken))
-        Holder(backend, lk, lease, cfg, chan).serve()
+        Holder(at, lk, lease, cfg, chan).serve()
     except PearingError as exc:
         chan.send(protocol.error(exc.exit_code, str(exc)))
         return exc.exit_code

@@ -29,7 +29,7 @@ from singleflight.rules.requests import prepare_end, record_end
 if TYPE_CHECKING:
     from typing import NoReturn
 
-    from singleflight.backend import Backend, Lease, LockOps
+    from singleflight.backend import Lease, LockOps, Opened
 
 # Signals that end the lease early, as a lost lease (the run must stop).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -104,9 +104,9 @@ def _renewing(cfg: HolderConfig, cmd: Watched) -> bool:
 class Holder:
     """The lease loop. ``serve`` never returns: the holder exits when the lease ends."""
 
-    def __init__(self, backend: Backend, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
-        self.backend, self.lk, self.lease, self.cfg, self.chan = backend, lk, lease, cfg, chan
-        self.tokens = TokenFiles.at(backend.lock_dir, lease.ticket.repo, lease.ticket.lock_name)
+    def __init__(self, at: Opened, lk: LockOps, lease: Lease, cfg: HolderConfig, chan: Channel | None) -> None:
+        self.backend, self.lk, self.lease, self.cfg, self.chan = at.backend, lk, lease, cfg, chan
+        self.tokens = TokenFiles.at(at.lock_dir, lease.ticket.repo, lease.ticket.lock_name)
         self.tokens.ready()  # its file goes between the token's end and the release: no opens then
         self.cmd = Watched()
         self._first_lease = False  # renew once, as COMMAND starts (manual heartbeat)

@@ -31,7 +31,7 @@ from singleflight.core.ticket import Ticket
 from singleflight.rules import records, tickets
 
 if TYPE_CHECKING:
-    from singleflight.backend import Backend, LockOps
+    from singleflight.backend import LockOps, Opened
 
 # How long acquire-lock waits for its agent to start and report, beyond --wait-seconds.
 _AGENT_START_SECONDS = 15.0
@@ -91,8 +91,8 @@ class AgentFailed(PearingError):
         self.exit_code = code
 
 
-def _outcome(backend: Backend, lk: LockOps, t: Ticket) -> Outcome:
-    view = tickets.view(backend, lk, t)
+def _outcome(at: Opened, lk: LockOps, t: Ticket) -> Outcome:
+    view = tickets.view(at, lk, t)
     if view["state"] == HELD:
         return Outcome(view)
     if view["state"] == WAITING:
@@ -103,7 +103,7 @@ def _outcome(backend: Backend, lk: LockOps, t: Ticket) -> Outcome:
 
 
 def acquire(
-    backend: Backend,
+    at: Opened,
     lock: str,
     repo: str,
     *,
@@ -129,7 +129,7 @@ def acquire(
     ``slots``: how many may hold the lock at once (every live ticket of the lock says the same).
     """
     request_uuid = names.request_uuid(request_uuid)
-    lk = backend.lock(names.scope(repo), names.lock_name(lock))
+    lk = at.backend.lock(names.scope(repo), names.lock_name(lock))
     try:
         mine = Ticket(
             ticket_id=new_uuid4(),
@@ -158,15 +158,15 @@ def acquire(
                 with contextlib.suppress(NotHeld):
                     t = tickets.heartbeat(lk, t.ticket_id, lease_seconds)  # a retry renews like a heartbeat
                 heard = (protocol.QUEUED, wait_seconds)
-                return _follow(backend, lk, t, chan, heard=heard, control=control, stopped=stopped)
-            return _existing(backend, lk, t, lease_seconds, wait_seconds, stopped=stopped), None
-        return _start_agent(backend, lk, t, wait_seconds=wait_seconds, control=control, stopped=stopped)
+                return _follow(at, lk, t, chan, heard=heard, control=control, stopped=stopped)
+            return _existing(at, lk, t, lease_seconds, wait_seconds, stopped=stopped), None
+        return _start_agent(at, lk, t, wait_seconds=wait_seconds, control=control, stopped=stopped)
     finally:
         lk.close()
 
 
 def _existing(
-    backend: Backend,
+    at: Opened,
     lk: LockOps,
     t: Ticket,
     lease_seconds: float,
@@ -187,7 +187,7 @@ def _existing(
             cur = lk.read(t.ticket_id)
             if cur is None or cur.state != WAITING or time.monotonic() >= until or (stopped and stopped()):
                 break
-    return _outcome(backend, lk, lk.read(t.ticket_id) or t)
+    return _outcome(at, lk, lk.read(t.ticket_id) or t)
 
 
 def _beat(lease_seconds: float, queued: bool = True) -> float:
@@ -196,7 +196,7 @@ def _beat(lease_seconds: float, queued: bool = True) -> float:
 
 
 def _start_agent(
-    backend: Backend,
+    at: Opened,
     lk: LockOps,
     t: Ticket,
     *,
@@ -211,8 +211,8 @@ def _start_agent(
         ctl_r, ctl_w = os.pipe()
         fds.append(ctl_r)
     start = protocol.AgentStart(
-        backend=backend.url,
-        lock_dir=backend.lock_dir,
+        backend=at.url,
+        lock_dir=at.lock_dir,
         repo=t.repo,
         lock=t.lock_name,
         ticket=t.ticket_id,
@@ -251,13 +251,13 @@ def _start_agent(
     # first process is reaped after the follow, not before it: a busy machine may take seconds
     # to start Python, and the waiting ticket is heartbeat meanwhile (its lease may be short).
     try:
-        return _follow(backend, lk, t, chan, heard=(None, wait_seconds), control=control, stopped=stopped)
+        return _follow(at, lk, t, chan, heard=(None, wait_seconds), control=control, stopped=stopped)
     finally:
         proc.wait()
 
 
 def _follow(
-    backend: Backend,
+    at: Opened,
     lk: LockOps,
     t: Ticket,
     chan: Channel,
@@ -294,7 +294,7 @@ def _follow(
             if msg.kind == protocol.ERROR:
                 cur = lk.read(t.ticket_id) or t
                 if cur.live:
-                    tickets.end_orphan(backend, lk, cur)
+                    tickets.end_orphan(at, lk, cur)
                 raise AgentFailed(msg.code, msg.text)
             last = msg.kind
             if msg.kind == protocol.QUEUED:
@@ -312,8 +312,8 @@ def _follow(
         last = _await_ready(chan) or last
         cur = lk.read(t.ticket_id) or t
     if last is None and chan.eof and cur.live:
-        cur = tickets.end_orphan(backend, lk, cur)  # every write end closed: the agent died without a word
-    out = _outcome(backend, lk, cur)
+        cur = tickets.end_orphan(at, lk, cur)  # every write end closed: the agent died without a word
+    out = _outcome(at, lk, cur)
     if control is not None and last == protocol.READY and control != CONTROL_WAIT and out.code == ExitCode.OK:
         return out, chan
     if control is not None and last != protocol.READY and out.ticket["state"] == WAITING and not chan.eof:
@@ -354,47 +354,47 @@ def _drop_kept(ticket_id: str) -> None:
         chan.close()
 
 
-def get(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
+def get(at: Opened, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
     ticket_id = names.ticket_id(ticket_id)
-    lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
+    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
         t = lk.read(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
-        return tickets.view(backend, lk, t)
+        return tickets.view(at, lk, t)
     finally:
         lk.close()
 
 
-def heartbeat(backend: Backend, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
+def heartbeat(at: Opened, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
     ticket_id = names.ticket_id(ticket_id)
-    lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
+    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return tickets.view(backend, lk, tickets.heartbeat(lk, ticket_id, lease_seconds))
+        return tickets.view(at, lk, tickets.heartbeat(lk, ticket_id, lease_seconds))
     finally:
         lk.close()
 
 
-def release(backend: Backend, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
+def release(at: Opened, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
     """Release (held) or cancel (waiting). Idempotent; a lost lease is an error."""
     ticket_id = names.ticket_id(ticket_id)
-    lk = backend.lock(names.scope(repo), names.lock_name(lock), create=False)
+    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return tickets.view(backend, lk, tickets.release(backend, lk, ticket_id))
+        return tickets.view(at, lk, tickets.release(at, lk, ticket_id))
     finally:
         lk.close()
         _drop_kept(ticket_id)  # its agent has let go: nothing left to answer for
 
 
-def update_activity(backend: Backend, identity: str, activity: str | None) -> dict[str, Any]:
+def update_activity(at: Opened, identity: str, activity: str | None) -> dict[str, Any]:
     """Set (text) or clear (None) what ``identity`` is doing; every front end's text is checked here."""
     if activity is not None:
         names.activity(activity)
-    records.write_activity(backend, names.identity(identity), activity)
+    records.write_activity(at.backend, names.identity(identity), activity)
     return {"identity": identity, "activity": activity}
 
 
-def status(backend: Backend, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
+def status(at: Opened, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
     """``repo`` None: every scope."""
     scope = None if repo is None else names.scope(repo)
-    return tickets.statuses(backend, scope, None if lock is None else names.lock_name(lock), idle=idle)
+    return tickets.statuses(at, scope, None if lock is None else names.lock_name(lock), idle=idle)

@@ -396,10 +396,10 @@ def lock_status(procs: Procs, job: str, repo: str = "default") -> dict[str, Any]
     run gets in line, and a pearing-cli per poll was a busy loop of interpreter starts that
     slowed the very runs being waited for. test_cli.py checks the command prints the same."""
     from singleflight import ops
-    from singleflight.backend import open_backend
+    from singleflight.backend import Opened
     from singleflight.core.const import ENV_BACKEND, ENV_LOCK_DIR
 
-    backend = open_backend(procs.env.get(ENV_BACKEND) or None, procs.env[ENV_LOCK_DIR])
+    backend = Opened(procs.env.get(ENV_BACKEND) or None, procs.env[ENV_LOCK_DIR])
     try:
         locks = json.loads(json.dumps(ops.status(backend, repo, job)))
     finally:

@@ -295,7 +295,7 @@ def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: P
     """Sampled densely through ``ops.get``, the very function get-lock-ticket prints, in-process:
     a process per read would step over the lease's last second."""
     from singleflight import ops
-    from singleflight.backend import open_backend
+    from singleflight.backend import Opened
 
     # 4 s: under a load of 8 on 2 cores acquire-lock took 3.9 s, and a 2 s lease had run out
     # before the call could print it held.
@@ -310,7 +310,7 @@ def test_a_held_ticket_always_shows_its_lease_expiry(backend: str, work_procs: P
             held.append(t["lease_expires_at"])
         return t["state"] != "held"
 
-    b = open_backend(work_procs.env.get(ENV_BACKEND), str(lock_dir))
+    b = Opened(work_procs.env.get(ENV_BACKEND), str(lock_dir))
     try:
         wait_for(ended, 15, "the unheartbeated lease to run out")
     finally:

@@ -5,7 +5,7 @@
   directory resolves inside the lock dir; a rejected one raises BadValue naming the value.
 - A few real ``pearing-run`` processes: a rejected name or scope exits 64 with one line and
   creates nothing.
-- A RuleBasedStateMachine drives ``LocalBackend`` (what pearing-cli and pearing-mcp call)
+- A RuleBasedStateMachine drives the lock dir backend through ``ops`` (what pearing-cli and pearing-mcp call)
   through acquire / heartbeat / release / expiry / promotion with real detached agents, and
   checks: at most one ticket held, fences strictly increase, a request uuid maps to one ticket.
 """
@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from singleflight import ops
+from singleflight.backend import Opened
 from singleflight.core import names
 from singleflight.core.const import ExitCode
 from singleflight.core.errors import BadValue, NotHeld
-from singleflight.local.backend import LocalBackend
 from singleflight.local.store import LockDir
 
 USAGE = int(ExitCode.USAGE)
@@ -305,7 +305,7 @@ class TicketLifecycle(RuleBasedStateMachine):
         super().__init__()
         self.top = tempfile.mkdtemp(prefix="props-sm-")
         self.lock_dir = Path(self.top) / "lockdir"
-        self.b = LocalBackend("local", str(self.lock_dir))
+        self.b = Opened("local", str(self.lock_dir))
         self.holder: Tk | None = None
         self.waiters: list[Tk] = []
         self.ended: dict[str, tuple[Tk, str]] = {}
@@ -462,6 +462,6 @@ TicketLifecycle.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-test_ticket_lifecycle = pytest.mark.local_only("drives LocalBackend in-process and reads its ticket records")(
+test_ticket_lifecycle = pytest.mark.local_only("drives the lock dir backend in-process and reads its ticket records")(
     TicketLifecycle.TestCase
 )

@@ -46,10 +46,10 @@ else:
 _OPS_PROBE = """
 import os, sys
 from singleflight import ops
-from singleflight.backend import backend_url, open_backend
+from singleflight.backend import Opened, backend_url
 from singleflight.core.errors import PearingError
 from singleflight.core.fs import resolve_lock_dir
-b = open_backend(backend_url(None, os.environ.get("PEARING_BACKEND")), resolve_lock_dir(None))
+b = Opened(backend_url(None, os.environ.get("PEARING_BACKEND")), resolve_lock_dir(None))
 try:
     ops.update_activity(b, "tester@ops", sys.argv[1])
 except PearingError as exc:

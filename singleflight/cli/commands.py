@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from singleflight import ops
-from singleflight.backend import Backend, backend_url, open_backend
+from singleflight.backend import Opened, backend_url
 from singleflight.cli._argv import Option
 from singleflight.core import identity, names, schemes
 from singleflight.core.const import (
@@ -106,11 +106,9 @@ def _identity() -> str:
     return identity.resolve(state.given.get("ident"))
 
 
-def _backend() -> Backend:
+def _opened() -> Opened:
     url = state.given.get("url")
-    return open_backend(
-        backend_url(url, os.environ.get(ENV_BACKEND) or None), resolve_lock_dir(state.given.get("lock_dir"))
-    )
+    return Opened(backend_url(url, os.environ.get(ENV_BACKEND) or None), resolve_lock_dir(state.given.get("lock_dir")))
 
 
 def _emit(obj: Any) -> None:
@@ -188,7 +186,7 @@ def acquire_lock(  # noqa: PLR0917 - one parameter per flag of the seed's comman
     n = names.slots(slots)
     who = _identity()
     out, _ = ops.acquire(
-        _backend(),
+        _opened(),
         lock,
         scope,
         request_uuid=uuid,
@@ -206,7 +204,7 @@ def acquire_lock(  # noqa: PLR0917 - one parameter per flag of the seed's comman
 def get_lock_ticket(name: str | None, ticket_id: str | None, repo: str | None) -> None:
     """Show one ticket."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
-    _emit(ops.get(_backend(), lock, scope, tid))
+    _emit(ops.get(_opened(), lock, scope, tid))
 
 
 @command(
@@ -226,14 +224,14 @@ def heartbeat_lock_ticket(name: str | None, ticket_id: str | None, lease_seconds
     """Renew the lease of a held (or waiting) ticket. Exit 1 if it is no longer live: stop."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
     lease = names.lease_seconds(lease_seconds, "--lease-seconds")
-    _emit(ops.heartbeat(_backend(), lock, scope, tid, lease))
+    _emit(ops.heartbeat(_opened(), lock, scope, tid, lease))
 
 
 @command("release-lock-ticket", LOCK, TICKET, REPO)
 def release_lock_ticket(name: str | None, ticket_id: str | None, repo: str | None) -> None:
     """Release a held ticket or leave the queue. Idempotent."""
     lock, scope, tid = _from_env(name, ENV_LOCK, "NAME"), _repo(repo), _from_env(ticket_id, ENV_TICKET, "TICKET_ID")
-    _emit(ops.release(_backend(), lock, scope, tid))
+    _emit(ops.release(_opened(), lock, scope, tid))
 
 
 @command(
@@ -247,7 +245,7 @@ def update_user_activity(activity: str | None, clear: bool) -> None:
         raise UsageError("give exactly one of --activity TEXT or --clear")
     if activity is not None:
         names.activity(activity, "--activity")
-    _emit(ops.update_activity(_backend(), _identity(), activity))
+    _emit(ops.update_activity(_opened(), _identity(), activity))
 
 
 @command(
@@ -269,7 +267,7 @@ def status(  # noqa: PLR0917 - one parameter per flag
     terminal, JSON otherwise."""
     if every_scope and (repo is not None or name is not None):
         raise UsageError("--all spans every scope: give no --repo and no NAME with it")
-    b, scope = _backend(), None if every_scope else _repo(repo)
+    b, scope = _opened(), None if every_scope else _repo(repo)
     only = None if name is None else names.lock_name(name)
     every = names.seconds(interval, "--interval", allow_zero=False)
     table = sys.stdout.isatty() and not as_json
@@ -310,7 +308,7 @@ def prune_locks(older_than: str, repo: str | None, dry_run: bool) -> None:
     scope = None if repo is None else names.scope(repo)
     from singleflight.rules import prune
 
-    _emit(prune.prune(_backend(), scope, older_than=age, dry_run=dry_run))
+    _emit(prune.prune(_opened().backend, scope, older_than=age, dry_run=dry_run))
 
 
 @command(
@@ -331,7 +329,7 @@ def init_db(print_sql: bool) -> None:
     if print_sql:
         sys.stdout.write(sql)
         return
-    backend = _backend()
+    backend = _opened().backend
     try:
         backend.locks(None, idle=True)  # the first request creates the tables (or says why not: 77)
     finally:
@@ -344,7 +342,7 @@ def get_thread_tree(repo: str, thread: str, as_json: bool) -> None:
     """Show a thread's replies, nested, and the highest fence it accepted. A tree on a terminal, JSON otherwise."""
     from singleflight.rules import threads
 
-    found = threads.tree(_backend(), names.scope(repo, "REPO"), names.thread(thread, "THREAD"))
+    found = threads.tree(_opened().backend, names.scope(repo, "REPO"), names.thread(thread, "THREAD"))
     if sys.stdout.isatty() and not as_json:
         from singleflight.cli._table import render_thread
 
@@ -384,7 +382,7 @@ def create_reply(  # noqa: PLR0917 - one parameter per flag of the seed's comman
     from singleflight.rules import threads
 
     stored = threads.reply(
-        _backend(),
+        _opened().backend,
         names.scope(repo, "REPO"),
         names.thread(thread, "THREAD"),
         kind=kind,

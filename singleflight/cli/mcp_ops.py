@@ -4,17 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from singleflight import guard, ops
-from singleflight.backend import open_backend
+from singleflight.backend import Opened
 from singleflight.cli import mcp_errors
 from singleflight.core import names
 from singleflight.core.const import ENV_LOCK_DIR, ExitCode
 from singleflight.core.errors import PearingError, UsageError
-
-if TYPE_CHECKING:
-    from singleflight.backend import Backend
 
 _T = TypeVar("_T")
 
@@ -35,9 +32,9 @@ class Ops:
     def __init__(self, lock_dir: str, ident: str, url: str | None = None) -> None:
         self.lock_dir, self.identity, self.backend_url = lock_dir, ident, url
 
-    def _call(self, work: Callable[[Backend], _T]) -> _T:
+    def _call(self, work: Callable[[Opened], _T]) -> _T:
         # One backend per call: a server lives for days, so every fd is closed at once.
-        b = open_backend(self.backend_url, self.lock_dir)
+        b = Opened(self.backend_url, self.lock_dir)
         try:
             return work(b)
         finally:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from singleflight import ops
-from singleflight.backend import Backend
+from singleflight.backend import Opened
 from singleflight.core.errors import PearingError
 
 # Every 2 s: often enough that a client resetting its request timeout on progress (the
@@ -27,7 +27,7 @@ from singleflight.core.errors import PearingError
 PROGRESS_SECONDS: Final = 2.0
 
 # ``Ops._call``: a backend opened and closed per call.
-Call = Callable[[Callable[[Backend], list[dict[str, Any]]]], list[dict[str, Any]]]
+Call = Callable[[Callable[[Opened], list[dict[str, Any]]]], list[dict[str, Any]]]
 Send = Callable[[float, float, str], Awaitable[None]]
 
 

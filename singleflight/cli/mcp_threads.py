@@ -11,12 +11,12 @@ fence is the one given, else the fence of the ticket this server's identity hold
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from singleflight.backend import Backend
+from singleflight.backend import Opened
 from singleflight.core import names
 from singleflight.core.const import MAX_FENCE
 
 # The server's one way to a backend: ``Ops._call`` (a backend opened and closed per call).
-Call = Callable[[Callable[[Backend], dict[str, Any]]], dict[str, Any]]
+Call = Callable[[Callable[[Opened], dict[str, Any]]], dict[str, Any]]
 
 _SPELLING = {"kind": "kind", "body": "body", "link": "links", "parent": "parent_id", "fence": "fence"}
 
@@ -24,7 +24,7 @@ _SPELLING = {"kind": "kind", "body": "body", "link": "links", "parent": "parent_
 def tree(call: Call, repo: str, thread: int) -> dict[str, Any]:
     from singleflight.rules import threads
 
-    return call(lambda b: threads.tree(b, repo, thread))
+    return call(lambda b: threads.tree(b.backend, repo, thread))
 
 
 def reply(  # noqa: PLR0917 - one parameter per tool argument
@@ -43,7 +43,7 @@ def reply(  # noqa: PLR0917 - one parameter per tool argument
 
     return call(
         lambda b: threads.reply(
-            b,
+            b.backend,
             repo,
             thread,
             kind=kind,

@@ -22,7 +22,7 @@ from singleflight.rules import records
 if TYPE_CHECKING:
     from typing import Any
 
-    from singleflight.backend import Backend, LockOps
+    from singleflight.backend import LockOps, Opened
     from singleflight.core.line import Line
     from singleflight.core.ticket import Ticket
 
@@ -33,20 +33,20 @@ RELEASE_WAIT = 10.0
 _OUT_OF_LINE_POLL = 0.05
 
 
-def _tokens(backend: Backend, repo: str, lock: str) -> TokenFiles:
+def _tokens(at: Opened, repo: str, lock: str) -> TokenFiles:
     """This host's token files of the lock: in the lock dir on every backend, whoever stores the ticket."""
-    return TokenFiles.at(backend.lock_dir, repo, lock)
+    return TokenFiles.at(at.lock_dir, repo, lock)
 
 
-def _remove_token(backend: Backend, t: Ticket) -> None:
-    tokens = _tokens(backend, t.repo, t.lock_name)
+def _remove_token(at: Opened, t: Ticket) -> None:
+    tokens = _tokens(at, t.repo, t.lock_name)
     try:
         tokens.remove(t.ticket_id)
     finally:
         tokens.close()
 
 
-def release(backend: Backend, lk: LockOps, ticket_id: str) -> Ticket:
+def release(at: Opened, lk: LockOps, ticket_id: str) -> Ticket:
     """Release a held ticket or cancel a waiting one, and wait until its process let go.
 
     Idempotent: a ticket released or cancelled already is returned as it is. Any other end
@@ -60,7 +60,7 @@ def release(backend: Backend, lk: LockOps, ticket_id: str) -> Ticket:
     ended = stop(lk, t, RELEASED, EndReason.RELEASED_BY_OWNER, within=RELEASE_WAIT)
     if ended is None:  # it ended on its own meanwhile
         return _released_already(lk.read(ticket_id) or t)
-    _remove_token(backend, t)
+    _remove_token(at, t)
     return lk.read(ticket_id) or ended
 
 
@@ -159,45 +159,47 @@ def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
     return math.inf if due is None else due
 
 
-def end_orphan(backend: Backend, lk: LockOps, t: Ticket) -> Ticket:
+def end_orphan(at: Opened, lk: LockOps, t: Ticket) -> Ticket:
     """End a ticket whose process died without a word: nobody holds or waits for it any more."""
     final = EXPIRED if t.state == HELD else CANCELLED
     ended = lk.end(t.ticket_id, final, EndReason.HOLDER_GONE, only_if_held=False)
-    _remove_token(backend, t)
+    _remove_token(at, t)
     return lk.read(t.ticket_id) or ended or t
 
 
-def view(backend: Backend, lk: LockOps, t: Ticket) -> dict[str, Any]:
+def view(at: Opened, lk: LockOps, t: Ticket) -> dict[str, Any]:
     """The ticket object of SPEC.md, as its owner sees it."""
     if t.state == HELD and t.orphaned():
         # Never report a lock held whose holder is gone: nobody keeps it any more.
-        t = end_orphan(backend, lk, t)
+        t = end_orphan(at, lk, t)
     position = lk.line().position(t.ticket_id) if t.state == WAITING else None
-    tokens = _tokens(backend, t.repo, t.lock_name)
+    tokens = _tokens(at, t.repo, t.lock_name)
     try:
-        return _public(backend, tokens, t, position)
+        return _public(at, tokens, t, position)
     finally:
         tokens.close()
 
 
-def _public(backend: Backend, tokens: TokenFiles, t: Ticket, position: int | None) -> dict[str, Any]:
+def _public(at: Opened, tokens: TokenFiles, t: Ticket, position: int | None) -> dict[str, Any]:
     token_file = None
     if t.state == HELD and tokens.exists(t.ticket_id):
         token_file = tokens.path(t.ticket_id)
-    return t.public(activity=records.read_activity(backend, t.identity), queue_position=position, token_file=token_file)
+    return t.public(
+        activity=records.read_activity(at.backend, t.identity), queue_position=position, token_file=token_file
+    )
 
 
-def status(backend: Backend, lk: LockOps, repo: str, lock: str) -> dict[str, Any]:
+def status(at: Opened, lk: LockOps, repo: str, lock: str) -> dict[str, Any]:
     """Who holds the lock (``lk``: ``repo``'s ``lock``), who waits in what order, and its fence."""
     line = lk.line()
-    tokens = _tokens(backend, repo, lock)
+    tokens = _tokens(at, repo, lock)
     try:
-        return {"lock_name": lock, "repo": repo, **_status(backend, line, tokens)}
+        return {"lock_name": lock, "repo": repo, **_status(at, line, tokens)}
     finally:
         tokens.close()
 
 
-def _status(backend: Backend, line: Line, tokens: TokenFiles) -> dict[str, Any]:
+def _status(at: Opened, line: Line, tokens: TokenFiles) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     now = time.monotonic()
     for i, e in enumerate(line.entries):
@@ -207,7 +209,7 @@ def _status(backend: Backend, line: Line, tokens: TokenFiles) -> dict[str, Any]:
             if holding:
                 e.setdefault("lease_left", None)
             continue
-        entries.append(_public(backend, tokens, e, line.position(e.ticket_id)))
+        entries.append(_public(at, tokens, e, line.position(e.ticket_id)))
         if holding:
             left = e.lease_left(now)
             entries[-1]["lease_left"] = None if left is None else round(max(0.0, left), 3)
@@ -224,19 +226,19 @@ def _status(backend: Backend, line: Line, tokens: TokenFiles) -> dict[str, Any]:
     }
 
 
-def statuses(backend: Backend, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
+def statuses(at: Opened, repo: str | None, lock: str | None, *, idle: bool = False) -> list[dict[str, Any]]:
     """The locks of a scope (None: of every scope) with a holder or waiters, each with them;
     ``idle`` adds the free ones. One lock asked for by name is shown whatever its state."""
     if lock is not None:
         assert repo is not None
-        wanted = [(repo, lock)] if (repo, lock) in backend.locks(repo, idle=True) else []
+        wanted = [(repo, lock)] if (repo, lock) in at.backend.locks(repo, idle=True) else []
     else:
-        wanted = backend.locks(repo, idle=idle)
+        wanted = at.backend.locks(repo, idle=idle)
     out = []
     for scope, name in wanted:
-        lk = backend.lock(scope, name)
+        lk = at.backend.lock(scope, name)
         try:
-            found = status(backend, lk, scope, name)
+            found = status(at, lk, scope, name)
         finally:
             lk.close()  # its token files' directories: a server lives for days
         if idle or lock is not None or found["holder"] is not None or found["waiters"]:
