@@ -182,12 +182,6 @@ class LockOps(Protocol):
     def line(self) -> Line:
         """The line as it stands: the holder first, then the waiters in order; the lock's fence."""
 
-    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        """Block until the waiting ticket is promoted (or ends), at most ``wait_seconds``.
-
-        With 0, only until an agent that is still starting is in line or past it.
-        """
-
 
 class Backend(Protocol):
     """A store of locks, opened from its URL and this host's lock dir (``open_backend``); those two

@@ -183,7 +183,7 @@ def _existing(
                 t = tickets.heartbeat(lk, t.ticket_id, lease_seconds)
             # The whole wait, whatever the lease: its owner is here, heartbeating it.
             step = min(until - time.monotonic(), _beat(lease_seconds), math.inf if stopped is None else _STOP_POLL)
-            lk.await_turn(t.ticket_id, max(0.0, step))
+            tickets.await_turn(lk, t.ticket_id, max(0.0, step))
             cur = lk.read(t.ticket_id)
             if cur is None or cur.state != WAITING or time.monotonic() >= until or (stopped and stopped()):
                 break

@@ -132,12 +132,6 @@ class EtcdTickets:
     def _taken_over(self, t: Ticket, kv: dict[str, Any], kept_at: float) -> None:
         """... and now does: its key as written, and when its lease was last kept."""
 
-    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        kv = self.mutex.find(ticket_id)
-        if kv is not None:
-            end = time.monotonic() + wait_seconds
-            self.mutex.wait_first(kv["key"], kv["create_revision"], lambda: end, ticket_id=ticket_id)
-
     @staticmethod
     def _place(t: Ticket, kv: dict[str, Any], i: int, holders: int) -> None:
         """State and fence from the ticket's place in line (the first ``holders`` hold)."""

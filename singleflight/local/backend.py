@@ -207,40 +207,6 @@ class LocalLock:
             store.write_ticket(t)
         return t
 
-    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        store = self.store
-        entry = next((n for n in queue.live_entries(store) if n.endswith("." + ticket_id)), None)
-        if wait_seconds <= 0:
-            if entry is None:
-                # An agent that is not in line yet is still starting (or taking a free
-                # lock) and settles in moments; only a ticket in line is "waiting".
-                _poll(lambda: self._settled(ticket_id), 2.0)
-            return
-        if entry is not None:
-            try:
-                fd = store.sub("queue").open(entry, os.O_RDWR)
-            except FileNotFoundError:
-                pass
-            else:
-                try:
-                    # The agent keeps this entry flocked until it leaves the line.
-                    if not queue.flock_until(fd, time.monotonic() + wait_seconds):
-                        return
-                finally:
-                    os.close(fd)
-        # The agent has just left the line and is taking the lock (or is not in line
-        # yet): its state changes in moments, so wait for that, not 75 at once.
-        _poll(lambda: self._state(ticket_id) != WAITING, min(wait_seconds, 5.0) if entry is None else 5.0)
-
-    def _state(self, ticket_id: str) -> str | None:
-        t = self.store.read_ticket(ticket_id)
-        return None if t is None else t.state
-
-    def _settled(self, ticket_id: str) -> bool:
-        return self._state(ticket_id) != WAITING or any(
-            n.endswith("." + ticket_id) for n in queue.live_entries(self.store)
-        )
-
     def line(self) -> Line:
         from singleflight.core.line import Line  # status's and a waiter's, not a free lock's
 
@@ -272,13 +238,6 @@ class LocalLock:
             holders=len(holders),
             slots=total,
         )
-
-
-def _poll(done: Callable[[], bool], timeout: float) -> None:
-    """Moments at most (an agent starting, a holder writing one record): 5 ms polls."""
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 class LocalBackend:

@@ -5,7 +5,6 @@ stands. Taking the lock is ``PgLock``'s (backend.py), which adds it."""
 from __future__ import annotations
 
 import os
-import time
 
 from singleflight.core import proc
 from singleflight.core.const import EXPIRED, HELD, TYPE_CHECKING, WAITING
@@ -22,11 +21,6 @@ if TYPE_CHECKING:
     import psycopg
 
     from singleflight.core.line import Line as LineView
-
-# How often a process waiting for another to let go looks again (besides being woken).
-_POLL = 0.02
-# How long an agent may take to start and promote the ticket whose turn it is.
-_SETTLE = 5.0
 
 
 class PgTickets:
@@ -135,27 +129,6 @@ class PgTickets:
             if t.superseded_by and t.state == HELD:
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (ticket_channel(self.db, ticket_id),))
             return t
-
-    def await_turn(self, ticket_id: str, wait_seconds: float) -> None:
-        """A CLI ticket is in line from its create; its agent promotes it once it is its turn.
-        Until it is no longer waiting, at most ``wait_seconds``; and, its turn come, the moments
-        its agent (still starting, perhaps) takes to promote it: a free lock is not "waiting"."""
-        end = time.monotonic() + max(wait_seconds, 0.0)
-        settling = time.monotonic() + _SETTLE
-        while True:
-            t = self.read(ticket_id)
-            if t is None or t.state != WAITING:
-                return
-            now = time.monotonic()
-            if now >= end and (now >= settling or not self._its_turn(t)):
-                return
-            if now >= end:
-                settling = min(settling, now + _SETTLE)
-            time.sleep(_POLL)
-
-    def _its_turn(self, t: Ticket) -> bool:
-        with self.db.tx() as cur:
-            return bool(Line(self.db, cur, self.repo, self.lock).lock_row().my_turn(t.ticket_id, t.slots))
 
     def line(self) -> LineView:
         from singleflight.core.line import Line as LineView  # status's and a waiter's, not a free lock's

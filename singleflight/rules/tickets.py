@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 RELEASE_WAIT = 10.0
 # How often a release looks whether a holder elsewhere has let go.
 _OUT_OF_LINE_POLL = 0.05
+# How long an agent may take to start and take the ticket whose turn it is.
+_SETTLE = 5.0
+# A wait for another process's ticket looks again after 5 ms, then less often, up to 50 ms.
+_TURN_POLL = (0.005, 0.05)
 
 
 def _tokens(at: Opened, repo: str, lock: str) -> TokenFiles:
@@ -146,6 +150,29 @@ def adopt(lk: LockOps, ticket_id: str, pid: int) -> Ticket | None:
         return lk.update(ticket_id, take_over)
     except (UnknownTicket, NotHeld):
         return None
+
+
+def await_turn(lk: LockOps, ticket_id: str, wait_seconds: float) -> None:
+    """Block until the waiting ticket ``ticket_id``, whose agent is another process, is promoted
+    or ends, at most ``wait_seconds``; then, if its agent has not taken its place in line yet
+    (still starting) or its turn has come, the moments that agent takes to settle: a ticket
+    about to hold is not answered "waiting". (Its owner waits here only for a request sent
+    again; the first call follows its agent's word.)"""
+    end = time.monotonic() + max(wait_seconds, 0.0)
+    settled_by = None
+    pause = _TURN_POLL[0]
+    while (t := lk.read(ticket_id)) is not None and t.state == WAITING:
+        now = time.monotonic()
+        if now >= end:
+            line = lk.line()
+            place = line.position(ticket_id)
+            if place is not None and place > line.slots - line.holders:
+                return  # in line behind others: it is waiting
+            settled_by = settled_by or now + _SETTLE
+            if now >= settled_by:
+                return
+        time.sleep(pause)
+        pause = min(pause * 1.5, _TURN_POLL[1])
 
 
 def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
