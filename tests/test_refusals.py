@@ -9,12 +9,17 @@ drifts fails here.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import shutil
+import signal
 import uuid
 from pathlib import Path
 
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, TextResult
+import pytest
+from caps import Caps
+from helpers import PEARING_CLI, PEARING_GUARD, PEARING_RUN, Gate, Procs, TextResult, q, wait_for
 
 from singleflight.core.const import ExitCode
 
@@ -117,3 +122,55 @@ def test_every_refusal_reads_the_same_on_every_backend(backend: str, work_procs:
     gate.open()
     assert work_procs.finish(holder).returncode == 0
     assert seen == TEMPLATES, json.dumps(seen, indent=2)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_run_lost_with_its_host_reads_expired_not_unknown(caps: Caps, work_procs: Procs, work: Path) -> None:
+    """A run on another host whose wrapper, holder and COMMAND all die together (that host lost
+    mid-run): nobody ends its ticket, and from here its processes cannot be looked at. Once its
+    lease has run out, its token is refused as a ticket that was held, never as unknown or
+    forged, and its ticket reads expired. (etcd, whose key lapses with the lease, forgot the
+    ticket: "unknown or forged token", and get-lock-ticket said the lock did not exist.)"""
+    if not caps.shared_by_hosts:
+        pytest.skip("the lock dir is one host's: a run on another host does not share it")
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("another host is a host name and a boot id of its own (namespaces): root and unshare(1)")
+    job = f"gone-{uuid.uuid4().hex[:8]}"
+    gate = Gate(work)
+    boot = work / "boot_id"
+    boot.write_text(f"{uuid.uuid4()}\n")
+    script = f"{_save_env('e.env')}; {gate.script()}"
+    elsewhere = (
+        f"mount --bind {q(boot)} /proc/sys/kernel/random/boot_id && hostname elsewhere-{job} && "
+        f"exec {PEARING_RUN} --job {job} --lease-seconds 2 -- sh -c {q(script)}"
+    )
+    run = work_procs.start(["unshare", "--uts", "--mount", "sh", "-c", elsewhere])
+    gate.wait_ready()
+    processes = [run.pid, *_children(run.pid)]  # the wrapper, its holder and COMMAND
+
+    def settled() -> bool:  # the store names the holder's own process (etcd: once it settled)
+        out = work_procs.run_text([PEARING_CLI, "status", job, "--json"])
+        locks = json.loads(out.stdout or "[]")
+        return bool(locks) and any(h.get("holder_pid") in processes[1:] for h in locks[0]["holders"])
+
+    wait_for(settled, 15, "the holder to be named in the store")
+    for pid in processes:
+        os.kill(pid, signal.SIGSTOP)  # all at once: none of them sees another die
+    for pid in processes:
+        os.kill(pid, signal.SIGKILL)
+    work_procs.finish(run)
+    e = _run_env(work, "e.env")
+    get = [PEARING_CLI, "get-lock-ticket", job, e["PEARING_TICKET"]]
+
+    def expired() -> bool:
+        out = work_procs.run_text(get)
+        assert out.returncode == 0, out  # the ticket is known throughout
+        return out.json["state"] == "expired"
+
+    wait_for(expired, 20, "the ticket to read expired")
+    refused = _verify(work_procs, e)
+    assert refused.returncode == ExitCode.REFUSED, refused
+    assert _mask(refused.one_line()).startswith("refused: expired (lease expired)"), refused

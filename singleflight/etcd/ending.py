@@ -83,6 +83,7 @@ def end(self: _Held, state: str, reason: str) -> None:
                 op_put(self.mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
                 op_put(self.mutex.base + "last", str(self.fence).encode()),
                 op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease),
+                op_delete(self.mutex.t + t.ticket_id),  # the settled copy: the end record says it now
             ]
             mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
             r = self.cluster.txn(

@@ -11,7 +11,7 @@ from singleflight.core.const import HELD, WAITING
 from singleflight.core.tokens import Facts, same_secret
 from singleflight.etcd.client import Cluster, cmp, op_put, op_range, ranged
 from singleflight.etcd.lock import Mutex, ttl_of
-from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of
+from singleflight.etcd.records import deadline_mono, lapsed, margin_of, parse, ticket_id_of
 
 
 def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest: str) -> Facts:
@@ -39,10 +39,11 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
                 op_range(el.e + ticket_id),
                 op_range(el.base + "last"),
                 op_range(el.a + ticket_id),
+                op_range(el.t + ticket_id),
             ],
             [],
         )
-        (first, _), (mine, _), (ended, _), (last, _), (alias, _) = (ranged(r, i) for i in range(5))
+        (first, _), (mine, _), (ended, _), (last, _), (alias, _), (copy, _) = (ranged(r, i) for i in range(6))
         mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
         target = alias[0]["value"].decode(errors="replace") if alias and not mine else ""
         if target.startswith(el.q):
@@ -52,12 +53,12 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
             mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
     else:
         line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
-        first, ended, last = line[:1], [], []
+        first, ended, last, copy = line[:1], [], [], []
         # Constant-time compare: a forger learns nothing from timing.
         mine = [kv for kv in line if (x := parse(kv["value"])) and same_secret(x.token_hash or "", digest)]
     fence_now = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
     if not mine:
-        t = parse(ended[0]["value"]) if ended else None
+        t = parse(ended[0]["value"]) if ended else lapsed(copy[0]["value"]) if copy else None
         return Facts(t, fence_now=fence_now)
     kv = mine[0]
     t = parse(kv["value"])

@@ -153,6 +153,8 @@ class EtcdLease:
             ops = [op_put(self.key, self._body(), self.lease)]
             if not self.settled:
                 ops.append(op_put(self.mutex.base + "last", str(self.fence).encode()))
+                if self.keep_lease:
+                    ops.append(op_put(self.mutex.t + self.ticket.ticket_id, self._body(), self.keep_lease))
             try:
                 r = self.cluster.txn([cmp(self.key, "MOD", "EQUAL", self.mod)], ops, [])
             except Refused:
@@ -178,7 +180,12 @@ class EtcdLease:
     def settle(self) -> None:
         """Soon after COMMAND started: the key moves onto the holder's lease (a put keeps its
         create revision: the fence), with the holder's pid and deadline; the newest fence is
-        remembered, so an older token can be told it was superseded."""
+        remembered, so an older token can be told it was superseded; and a copy of the ticket
+        goes onto an hour's lease (the end record's), so a run whose every process died, its key
+        lapsed, reads "expired" for that hour, not "unknown" (our own end takes the copy away)."""
+        if not self.keep_lease:
+            with contextlib.suppress(BackendUnavailable, Refused):
+                self.keep_lease = self.cluster.grant(int(ENDED_TICKET_RETENTION))
         if self._record():
             self.settled = True  # the waiting lease, now empty, lapses within seconds
             self._watch()

@@ -17,7 +17,8 @@ Every key lives under ``/PREFIX/`` (the URL's tenant, default ``pearing``):
     /PREFIX/SCOPE/@LOCK/g/ID         an in-flight pearing-guard exec; a new pearing holder
                                      waits for these to go before it proceeds
     /PREFIX/SCOPE/@LOCK/e/TICKET     an ended ticket, kept an hour on a lease of its own
-    /PREFIX/SCOPE/@LOCK/t/TICKET     a CLI ticket as created, kept an hour (a lapsed lease reads expired)
+    /PREFIX/SCOPE/@LOCK/t/TICKET     a ticket as created (CLI) or settled (a holder), kept an
+                                     hour until it ends: a lapsed lease reads expired
     /PREFIX/SCOPE/@LOCK/r/UUID       request-uuid record (dedupe), on a retention lease
     /PREFIX/SCOPE/@LOCK/s            the last successful start (--min-interval)
     /PREFIX/SCOPE/@LOCK/last         the newest fence (tells an old token it was superseded)

@@ -10,8 +10,9 @@ import os
 import time
 
 from singleflight.core import jsontext, proc
-from singleflight.core.const import HELD, TYPE_CHECKING, WAITING
+from singleflight.core.const import EXPIRED, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import CorruptRecord
+from singleflight.core.reasons import EndReason
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
 
@@ -124,3 +125,12 @@ def foreign(kv: dict[str, Any], position: int, repo: str, lock: str, lease_left:
         "etcd_key": kv["key"],
         "foreign": True,
     }
+
+
+def lapsed(copy: bytes) -> Ticket | None:
+    """A ticket from its copy (``t/``), there being no key and no end record: it lapsed with
+    nobody left to end it (its every process died): expired, its lease ran out."""
+    t = parse(copy)
+    if t is not None:
+        t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()
+    return t

@@ -9,7 +9,7 @@ import os
 import time
 
 from singleflight.core import proc
-from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, EXPIRED, HELD, TYPE_CHECKING, WAITING
+from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
@@ -17,7 +17,7 @@ from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records, slots
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import deadline_mono, margin_of, parse, ticket_id_of, value
+from singleflight.etcd.records import deadline_mono, lapsed, margin_of, parse, ticket_id_of, value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -195,10 +195,8 @@ def ticket_of(mutex: Mutex, ticket_id: str) -> tuple[Ticket, dict[str, Any] | No
     if ended and (t := parse(ended["value"])) is not None:
         return t, None
     copy = mutex.cluster.get(mutex.t + ticket_id)
-    if copy is None or (t := parse(copy["value"])) is None:
-        return None
-    t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()  # it lapsed without an end record
-    return t, None
+    t = lapsed(copy["value"]) if copy is not None else None
+    return None if t is None else (t, None)
 
 
 def end_ticket(mutex: Mutex, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
