@@ -53,6 +53,71 @@ def test_etcd_lock_key_and_rev_are_exported(cluster: Cluster, procs: Procs, work
     assert seen["ETCD_LOCK_REV"] == seen["PEARING_FENCE"]
 
 
+def test_the_end_record_stands_when_its_hour_long_lease_ran_out_under_a_long_run(
+    cluster: Cluster, procs: Procs, work: Path, job: str
+) -> None:
+    """A run longer than the hour the end record's lease lasts (granted as its holder settled, for
+    the ticket's copy): its end is recorded all the same, and its ticket reads released. (The end
+    was sent on that lease, refused, and lost: the ticket read unknown.)"""
+    gate = Gate(work)
+    p = procs.pr("--job", job, "--", "sh", "-c", f"echo $PEARING_TICKET > {q(work / 'tid')}; {gate.script()}")
+    gate.wait_ready()
+    client = Client(cluster.url)
+    copy_key = Mutex(client, "default", job).t + (work / "tid").read_text().strip()
+    wait_for(lambda: client.get(copy_key) is not None, 15, "the holder to settle (its ticket's copy)")
+    copy = client.get(copy_key)
+    assert copy is not None
+    client.revoke(int(copy["lease"]))  # as an hour passing would
+    gate.open()
+    assert procs.finish(p).returncode == 0
+    got = procs.run([PEARING_CLI, "get-lock-ticket", job, (work / "tid").read_text().strip()])
+    assert got.returncode == 0, got
+    t = json.loads(got.stdout)
+    assert (t["state"], t["end_reason"]) == ("released", "command exited 0"), t
+
+
+def _hour_long_leases(client: Client) -> list[int]:
+    """Every lease granted for an hour or more: an end record's, a ticket copy's."""
+    ids = [int(x["ID"]) for x in client.post("kv/lease/leases", {}).get("leases", [])]
+    return [lease for lease in ids if client.ttl(lease) > 600]
+
+
+def test_a_run_that_waited_over_an_hour_settles_and_ends_as_any(
+    cluster: Cluster, procs: Procs, work: Path, job: str
+) -> None:
+    """A waiter's hour-long lease for its end record is granted as it joins the line; a wait of
+    over an hour outlives it. Promoted, it settles all the same (without the ticket's copy, which
+    would have gone on that lease: the settle was refused, and the run stopped as one that lost
+    its lease) and its end is recorded."""
+    first, then = Gate(work, "a"), Gate(work, "b")
+    a = procs.pr("--job", job, "--", "sh", "-c", first.script())
+    first.wait_ready()
+    script = f"echo $PEARING_TICKET > {q(work / 'tid')}; {then.script()}"
+    b = procs.pr("--job", job, "--wait-seconds", "60", "--", "sh", "-c", script)
+    _wait_queued(cluster.url, job, 1)
+    client = Client(cluster.url)
+    # The holder's (its copy's, granted as it settled) and the waiter's (granted as it joined).
+    wait_for(lambda: len(_hour_long_leases(client)) >= 2, 15, "both runs' hour-long leases")
+    for lease in _hour_long_leases(client):
+        client.revoke(lease)  # as an hour passing would
+    first.open()
+    assert procs.finish(a).returncode == 0
+    then.wait_ready()
+
+    def settled() -> bool:  # B's own holder named in the store, or B gave up
+        out = procs.run([PEARING_CLI, "status", job, "--json"])
+        locks = json.loads(out.stdout or b"[]")
+        holders = locks[0]["holders"] if locks else []
+        return b.poll() is not None or any(h.get("holder_pid") not in (None, b.pid) for h in holders)
+
+    wait_for(settled, 15, "the promoted run to settle")
+    then.open()
+    assert procs.finish(b).returncode == 0
+    got = procs.run([PEARING_CLI, "get-lock-ticket", job, (work / "tid").read_text().strip()])
+    assert got.returncode == 0, got
+    assert json.loads(got.stdout)["state"] == "released", got
+
+
 # -- faults only a cluster has -----------------------------------------------------------
 
 

@@ -86,11 +86,19 @@ def end(self: _Held, state: str, reason: str) -> None:
                 op_delete(self.mutex.t + t.ticket_id),  # the settled copy: the end record says it now
             ]
             mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
-            r = self.cluster.txn(
-                mine + ([guarded] if guarded else []),
-                ops,
-                [op_range(self.key), op_range(g, prefix=True, limit=1, keys_only=True)],
-            )
+            try:
+                r = self.cluster.txn(
+                    mine + ([guarded] if guarded else []),
+                    ops,
+                    [op_range(self.key), op_range(g, prefix=True, limit=1, keys_only=True)],
+                )
+            except Refused:
+                if not self.keep_lease:
+                    raise  # our own lease is gone
+                # The end record's hour-long lease ran out under a run longer than that: the record
+                # goes on our lease, and housekeeping moves it onto a new hour's.
+                self.keep_lease = 0
+                continue
             if r.get("succeeded"):
                 self.ended = body
                 self.key_gone = state == RELEASED

@@ -210,8 +210,10 @@ def end_superseded(
         ]
         try:
             r = cluster.txn([*mine, cmp(mutex.g, "CREATE", "LESS", at + 1, prefix=True)], ops, [])
-        except (BackendUnavailable, Refused):
+        except (BackendUnavailable, Refused) as exc:
             r = {}
+            if isinstance(exc, Refused):
+                lease.keep_lease = 0  # the hour's lease ran out under a long run: ours, as ``ending.end``
         if r.get("succeeded"):
             lease.ended = body  # ``lease.end`` then finds it ended and leaves that record
             return by

@@ -146,15 +146,16 @@ class EtcdLease:
                 self._record()
         self._schedule()
 
-    def _record(self) -> bool:
+    def _record(self, *, copy: bool = False) -> bool:
         """Write the ticket (its deadline) into our key, on the holder's lease: compare-and-swap,
-        never over an end or a release. False when it was ended or released meanwhile."""
+        never over an end or a release. False when it was ended or released meanwhile. ``copy``:
+        settling, its copy goes onto the end record's lease too."""
         for _ in range(3):
             ops = [op_put(self.key, self._body(), self.lease)]
             if not self.settled:
                 ops.append(op_put(self.mutex.base + "last", str(self.fence).encode()))
-                if self.keep_lease:
-                    ops.append(op_put(self.mutex.t + self.ticket.ticket_id, self._body(), self.keep_lease))
+            if copy:
+                ops.append(op_put(self.mutex.t + self.ticket.ticket_id, self._body(), self.keep_lease))
             try:
                 r = self.cluster.txn([cmp(self.key, "MOD", "EQUAL", self.mod)], ops, [])
             except Refused:
@@ -186,7 +187,13 @@ class EtcdLease:
         if not self.keep_lease:
             with contextlib.suppress(BackendUnavailable, Refused):
                 self.keep_lease = self.cluster.grant(int(ENDED_TICKET_RETENTION))
-        if self._record():
+        settled = self._record(copy=bool(self.keep_lease))
+        if not settled and self.keep_lease:
+            # The copy's lease, granted as we joined the line, may have run out in an hour's wait:
+            # settled without the copy, and the end record goes on our lease (housekeeping moves it).
+            self.keep_lease = 0
+            settled = self._record()
+        if settled:
             self.settled = True  # the waiting lease, now empty, lapses within seconds
             self._watch()
         else:
