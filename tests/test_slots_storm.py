@@ -42,13 +42,16 @@ def _most_at_once(steps: list[Step], *, certain: bool = False) -> tuple[int, lis
     def stop(s: Step) -> int:
         return s.alive_ns if certain and s.end_ns is None and s.alive_ns is not None else s.stop_ns
 
+    # At one instant, ends before starts: intervals that touch do not overlap. A step whose
+    # interval is that one instant (killed as it started) ends before it starts, and never counts.
     events = sorted([(s.start_ns, 1, i) for i, s in enumerate(steps)] + [(stop(s), -1, i) for i, s in enumerate(steps)])
-    alive: set[int] = set()
+    level = [0] * len(steps)
     most: tuple[int, list[Step]] = (0, [])
     for _, step, i in events:
-        alive.add(i) if step > 0 else alive.discard(i)
+        level[i] += step
+        alive = [j for j, n in enumerate(level) if n > 0]
         if len(alive) > most[0]:
-            most = (len(alive), [steps[j] for j in sorted(alive)])
+            most = (len(alive), [steps[j] for j in alive])
     return most
 
 
@@ -156,3 +159,7 @@ def test_the_count_is_of_commands_certainly_alive_at_once() -> None:
     assert _most_at_once([killed, before], certain=True)[0] == 2
     assert check([_certain(killed), after], []).overlaps == []
     assert check([_certain(killed), before], []).overlaps != []
+    # Killed as it started (the watcher never found it alive after its start line): a point.
+    instant = Step(fence=4, start_ns=300, pid=4, stime=0, cid=3, dead_ns=320, dead_seen="pidfd", alive_ns=300)
+    assert _most_at_once([instant, after], certain=True)[0] == 1
+    assert _most_at_once([instant], certain=True)[0] == 0
