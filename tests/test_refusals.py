@@ -174,3 +174,8 @@ def test_a_run_lost_with_its_host_reads_expired_not_unknown(caps: Caps, work_pro
     refused = _verify(work_procs, e)
     assert refused.returncode == ExitCode.REFUSED, refused
     assert _mask(refused.one_line()).startswith("refused: expired (lease expired)"), refused
+    # One end time, whoever reads it when: before the next run, and after it took the lock (and
+    # PostgreSQL's sweep wrote the lapsed row). It was each reader's own time there.
+    before = work_procs.run_text(get).json["ended_at"]
+    assert work_procs.pr_run("--job", job, "--", "true").returncode == 0
+    assert work_procs.run_text(get).json["ended_at"] == before

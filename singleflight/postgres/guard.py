@@ -12,7 +12,7 @@ from singleflight.core import proc
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.tokens import Claim, Facts, same_secret
 from singleflight.postgres.db import Db
-from singleflight.postgres.line import COLS, Line, as_stored, channel
+from singleflight.postgres.line import COLS, COLS_N, Line, as_stored, channel
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -44,11 +44,11 @@ def _facts(db: Db, cur: psycopg.Cursor[Any], claim: Claim, digest: str) -> Facts
     if not rows:
         return Facts(None, fence_now=fence_now)
     r = rows[0]
-    t = as_stored(r[0], r[1:8])
+    t = as_stored(r[0], r[1 : COLS_N + 1])
     t.lease_deadline_mono = t.deadline_here()
     here = t.holder_host == os.uname().nodename
     alive = not here or proc.alive(t.holder_pid, t.holder_start)
-    left = r[8].total_seconds() if r[8] is not None else None
+    left = r[COLS_N + 1].total_seconds() if r[COLS_N + 1] is not None else None
     margin = min((t.kill_grace or 0.0) + 1.5, max(2.0, t.lease_seconds) / 3)
 
     def cut_off() -> bool:

@@ -28,19 +28,22 @@ WAIT_TTL = float(PLACE_TTL)
 # How often a waiter renews its place and looks again without being woken.
 WAIT_TICK = 1.0
 
-# The columns every read of a ticket takes; ``alive``: its place or lease has not lapsed.
-COLS = (
-    "body, line, hold, fence, slot, ver, "
-    "(CASE WHEN hold THEN held_until ELSE place_until END) > clock_timestamp() AS alive"
+# Until when a row holds (its lease) or keeps its place in line, on the database's clock.
+_UNTIL = "(CASE WHEN hold THEN held_until ELSE place_until END)"
+# The columns every read of a ticket takes: ``alive``, its place or lease has not lapsed; then
+# that time, which a lapsed one reads as its end. COLS_N of them: a query's own columns follow.
+COLS = f"body, line, hold, fence, slot, ver, {_UNTIL} > clock_timestamp() AS alive, " + (
+    f"extract(epoch FROM {_UNTIL})::float8"
 )
-# The sweep: tickets in line whose place or lease lapsed leave it (a live one reads as expired).
-_SWEEP = """UPDATE {s}.tickets SET line = false, hold = false, ended_at = clock_timestamp(),
+COLS_N = 8
+# The sweep: tickets in line whose place or lease lapsed leave it (a live one reads as expired,
+# ended when its lease or place ran out, not when the sweep came by: every read says one time).
+_SWEEP = f"""UPDATE {{s}}.tickets SET line = false, hold = false, ended_at = {_UNTIL},
     ver = ver + 1, body = CASE WHEN body->>'state' IN ('waiting', 'held')
         THEN body || jsonb_build_object('state', 'expired', 'end_reason', %s::text,
-                                        'ended_at', extract(epoch FROM clock_timestamp())::float8)
+                                        'ended_at', extract(epoch FROM {_UNTIL})::float8)
         ELSE body END
-    WHERE scope = %s AND name = %s AND line
-      AND (CASE WHEN hold THEN held_until ELSE place_until END) <= clock_timestamp()"""
+    WHERE scope = %s AND name = %s AND line AND {_UNTIL} <= clock_timestamp()"""
 
 
 def _digest(text: str) -> str:
@@ -79,15 +82,15 @@ def body_of(t: Ticket) -> str:
 def as_stored(ticket_id: str, row: tuple[Any, ...]) -> Ticket:
     """The ticket a row (``COLS``) holds, its state from its place: in line and not lapsed, the
     holder holds (with its fence) and a waiter waits; a live one out of line or lapsed expired."""
-    body, line, hold, fence, slot, _, alive = row[:7]
+    body, line, hold, fence, slot, _, alive, until = row[:COLS_N]
     t = to_ticket(ticket_id, body)
     if t.live:
         if line and alive:
             t.state = HELD if hold else WAITING
             t.fence = int(fence) if hold and fence is not None else None
             t.slot = slot if hold else t.slot
-        else:
-            t.end(EXPIRED, EndReason.LEASE_EXPIRED.text(), at=t.ended_at)
+        else:  # lapsed (ended when its lease ran out), or out of line unended (now)
+            t.end(EXPIRED, EndReason.LEASE_EXPIRED.text(), at=until if line and until is not None else None)
     return t
 
 

@@ -12,7 +12,17 @@ from singleflight.core.errors import UnknownLock, UnknownTicket
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.postgres.db import Db
-from singleflight.postgres.line import COLS, WAIT_TTL, Line, as_stored, body_of, channel, read_row, ticket_channel
+from singleflight.postgres.line import (
+    COLS,
+    COLS_N,
+    WAIT_TTL,
+    Line,
+    as_stored,
+    body_of,
+    channel,
+    read_row,
+    ticket_channel,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -42,7 +52,7 @@ class PgTickets:
         return self._tokens
 
     def _mine(self, row: tuple[Any, ...]) -> bool:
-        return (row[7], row[8]) == (self.repo, self.lock)
+        return (row[COLS_N], row[COLS_N + 1]) == (self.repo, self.lock)
 
     def read(self, ticket_id: str) -> Ticket | None:
         with self.db.tx() as cur:
