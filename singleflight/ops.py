@@ -177,13 +177,13 @@ def _existing(
     """Same request uuid again: never a second ticket, never behind itself; renews a waiting one."""
     if t.state == WAITING:
         # It may have ended (or be just being promoted): reported below as it stands.
-        until = time.monotonic() + wait_seconds
+        until = (begun := time.monotonic()) + wait_seconds
         while True:
             with contextlib.suppress(NotHeld):
                 t = tickets.heartbeat(lk, t.ticket_id, lease_seconds)
             # The whole wait, whatever the lease: its owner is here, heartbeating it.
             step = min(until - time.monotonic(), _beat(lease_seconds), math.inf if stopped is None else _STOP_POLL)
-            tickets.await_turn(lk, t.ticket_id, max(0.0, step))
+            tickets.await_turn(lk, t.ticket_id, max(0.0, step), since=begun)
             cur = lk.read(t.ticket_id)
             if cur is None or cur.state != WAITING or time.monotonic() >= until or (stopped and stopped()):
                 break

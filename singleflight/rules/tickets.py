@@ -33,7 +33,8 @@ RELEASE_WAIT = 10.0
 _OUT_OF_LINE_POLL = 0.05
 # How long an agent may take to start and take the ticket whose turn it is.
 _SETTLE = 5.0
-# A wait for another process's ticket looks again after 5 ms, then less often, up to 50 ms.
+# A wait for another process's ticket looks every tenth of the time it has waited: 5 ms at first,
+# 50 ms from half a second on.
 _TURN_POLL = (0.005, 0.05)
 
 
@@ -152,15 +153,17 @@ def adopt(lk: LockOps, ticket_id: str, pid: int) -> Ticket | None:
         return None
 
 
-def await_turn(lk: LockOps, ticket_id: str, wait_seconds: float) -> None:
+def await_turn(lk: LockOps, ticket_id: str, wait_seconds: float, *, since: float | None = None) -> None:
     """Block until the waiting ticket ``ticket_id``, whose agent is another process, is promoted
     or ends, at most ``wait_seconds``; then, if its agent has not taken its place in line yet
     (still starting) or its turn has come, the moments that agent takes to settle: a ticket
     about to hold is not answered "waiting". (Its owner waits here only for a request sent
-    again; the first call follows its agent's word.)"""
-    end = time.monotonic() + max(wait_seconds, 0.0)
+    again; the first call follows its agent's word.) ``since``: when the caller began to wait
+    (monotonic), if that was before this call (it waits in steps)."""
+    start = time.monotonic()
+    end = start + max(wait_seconds, 0.0)
+    start = start if since is None else since
     settled_by = None
-    pause = _TURN_POLL[0]
     while (t := lk.read(ticket_id)) is not None and t.state == WAITING:
         now = time.monotonic()
         if now >= end:
@@ -171,8 +174,7 @@ def await_turn(lk: LockOps, ticket_id: str, wait_seconds: float) -> None:
             settled_by = settled_by or now + _SETTLE
             if now >= settled_by:
                 return
-        time.sleep(pause)
-        pause = min(pause * 1.5, _TURN_POLL[1])
+        time.sleep(min(max((time.monotonic() - start) / 10, _TURN_POLL[0]), _TURN_POLL[1]))
 
 
 def waiting_deadline(lk: LockOps, ticket_id: str) -> float:
