@@ -605,3 +605,15 @@ def freeze_waiting(pid: int, stime: int, mutex: Path) -> None:
         kill_exact(pid, stime, signal.SIGCONT)
         time.sleep(0.002)  # let it finish the critical section: a pause, not a sync
     pytest.fail("the waiter never left the mutex")
+
+
+def stubborn_command(work: Path, ready: Path) -> str:
+    """A COMMAND for a holder cut off from its store: it saves its token file (``old.token``) and
+    fence (``f1``), touches ``ready``, notes SIGTERM (``term``) and ignores it, and stamps itself
+    alive every 10 ms (``alive``): only the KILL at the end of its grace stops it."""
+    alive = q(work / "alive")
+    return (
+        f"cp $PEARING_TOKEN_FILE {q(work / 'old.token')}; echo $PEARING_FENCE > {q(work / 'f1')}; "
+        f"trap 'date +%s%N > {q(work / 'term')}' TERM; touch {q(ready)}; "
+        f"while :; do date +%s%N > {alive}.tmp && mv {alive}.tmp {alive}; sleep 0.01; done"
+    )

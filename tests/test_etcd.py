@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from etcd_cluster import Cluster
 from etcd_proxy import DyingMember, dying_first, puts_under
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, Result, q, ticket_ids, wait_for
+from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, Result, q, stubborn_command, ticket_ids, wait_for
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -268,12 +268,7 @@ def test_partitioned_holder_loses_its_lease(
     gate = Gate(work)
     holder_env = dict(env, **{ENV_BACKEND: cluster.url_of(lonely)})
     waiter_env = dict(env, **{ENV_BACKEND: cluster.url_of(*others)})
-    alive = q(work / "alive")
-    script = (
-        f"cp $PEARING_TOKEN_FILE {q(work / 'old.token')}; echo $PEARING_FENCE > {q(work / 'f1')}; "
-        f"trap 'date +%s%N > {q(work / 'term')}' TERM; touch {q(gate.ready)}; "
-        f"while :; do date +%s%N > {alive}.tmp && mv {alive}.tmp {alive}; sleep 0.01; done"
-    )
+    script = stubborn_command(work, gate.ready)
     holder = procs.pr(
         "--job", job, "--lease-seconds", lease, "--kill-grace", grace, "--", "sh", "-c", script, env=holder_env
     )  # fmt: skip

@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import require_postgres
-from helpers import PEARING_GUARD, Procs, q, wait_for
+from helpers import PEARING_GUARD, Procs, q, stubborn_command, wait_for
 from pg_cluster import PgCluster
 from tcp_partition import Partition
 from test_postgres import _tenant, waiting
@@ -24,20 +23,13 @@ from singleflight.core.const import ENV_BACKEND, ExitCode
 def test_a_holder_cut_off_from_the_server_stops_command_before_its_lease_can_pass(
     postgres: PgCluster, procs: Procs, work: Path, lease: str, grace: str
 ) -> None:
-    require_postgres()
     url = _tenant(postgres)
     partition = Partition(postgres.port)
     try:
         holder_url = url.replace(f"127.0.0.1:{postgres.port}/", f"127.0.0.1:{partition.port}/")
         assert holder_url != url
         alive, term = work / "alive", work / "term"
-        # COMMAND ignores SIGTERM (noting it) and stamps itself alive every 10 ms: only the KILL
-        # at the end of its grace stops it.
-        script = (
-            f"cp $PEARING_TOKEN_FILE {q(work / 'old.token')}; echo $PEARING_FENCE > {q(work / 'f1')}; "
-            f"trap 'date +%s%N > {q(term)}' TERM; touch {q(work / 'ready')}; "
-            f"while :; do date +%s%N > {q(alive)}.tmp && mv {q(alive)}.tmp {q(alive)}; sleep 0.01; done"
-        )
+        script = stubborn_command(work, work / "ready")
         holder = procs.pr(
             "--job", "J", "--lease-seconds", lease, "--kill-grace", grace, "--", "sh", "-c", script,
             env={**procs.env, ENV_BACKEND: holder_url},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from singleflight.core.cadence import Cadence
 from singleflight.core.const import TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.etcd.client import Cluster, Refused, b64, unb64
@@ -13,9 +14,6 @@ from singleflight.etcd.lock import WAIT_TTL
 
 if TYPE_CHECKING:
     from typing import Any
-
-# The longest wait between two keepalives of the wrapper's, whatever the lease.
-_KEEP_AT_MOST_EVERY = 3600.0
 
 
 class EtcdGrip:
@@ -48,10 +46,11 @@ class EtcdGrip:
         # waiting lease (which the key rides on until the holder settles).
         self.kept_at, self.waiting_kept_at = kept_at, waiting_kept_at
         self.ttl = ttl
-        # A promoted waiter's key rides on its waiting lease until the holder settles; at most
-        # hourly: a ten-year lease's third would overflow the wrapper's poll() (int ms).
-        self._every = min(ttl / 3, WAIT_TTL / 3 if waiting_lease else ttl, _KEEP_AT_MOST_EVERY)
-        self._tried_at = min(kept_at, waiting_kept_at) if waiting_lease else kept_at
+        # A promoted waiter's key rides on its waiting lease until the holder settles.
+        if waiting_lease:
+            self._cadence = Cadence(ttl, WAIT_TTL, at=min(kept_at, waiting_kept_at))
+        else:
+            self._cadence = Cadence(ttl, at=kept_at)
 
     def handover(self) -> tuple[dict[str, Any], set[int]]:
         """All of it is data: the lease and key (no fd)."""
@@ -94,12 +93,10 @@ class EtcdGrip:
     def keep(self) -> float:
         """A keepalive of every lease the key may ride on, once a third of the shortest has gone
         since the last try; how long until the next is due."""
-        now = time.monotonic()
-        if (left := self._tried_at + self._every - now) > 0:
+        if (left := self._cadence.due()) > 0:
             return left
-        self._tried_at = now
         self._keepalive()
-        return self._every
+        return self._cadence.every
 
     def _keepalive(self) -> None:
         with contextlib.suppress(BackendUnavailable, Refused):

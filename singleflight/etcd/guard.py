@@ -39,11 +39,10 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
                 op_range(el.e + ticket_id),
                 op_range(el.base + "last"),
                 op_range(el.a + ticket_id),
-                op_range(el.t + ticket_id),
             ],
             [],
         )
-        (first, _), (mine, _), (ended, _), (last, _), (alias, _), (copy, _) = (ranged(r, i) for i in range(6))
+        (first, _), (mine, _), (ended, _), (last, _), (alias, _) = (ranged(r, i) for i in range(5))
         mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
         target = alias[0]["value"].decode(errors="replace") if alias and not mine else ""
         if target.startswith(el.q):
@@ -53,12 +52,17 @@ def facts(cluster: Cluster, repo: str, lock: str, ticket_id: str | None, digest:
             mine = [kv for kv in mine if ticket_id_of(kv["value"]) == ticket_id]
     else:
         line, _ = cluster.range_prefix(el.q)  # oldest first: the holder leads
-        first, ended, last, copy = line[:1], [], [], []
+        first, ended, last = line[:1], [], []
         # Constant-time compare: a forger learns nothing from timing.
         mine = [kv for kv in line if (x := parse(kv["value"])) and same_secret(x.token_hash or "", digest)]
     fence_now = first[0]["create_revision"] if first else _int(last[0]["value"]) if last else None
     if not mine:
-        t = parse(ended[0]["value"]) if ended else lapsed(copy[0]["value"]) if copy else None
+        t = parse(ended[0]["value"]) if ended else None
+        if t is None and ticket_id:
+            # Not in line and never ended: it lapsed, if its holder settled (a refusal either way,
+            # so this one more read is off the path of a live token).
+            copy = cluster.get(el.t + ticket_id)
+            t = lapsed(copy["value"]) if copy is not None else None
         return Facts(t, fence_now=fence_now)
     kv = mine[0]
     t = parse(kv["value"])

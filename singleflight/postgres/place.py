@@ -7,6 +7,7 @@ import contextlib
 import time
 
 from singleflight.core import fault
+from singleflight.core.cadence import Cadence
 from singleflight.core.const import QUEUE_LATEST, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable, LineFull
 from singleflight.core.ticket import Ticket
@@ -16,9 +17,6 @@ from singleflight.postgres.line import WAIT_TICK, WAIT_TTL, Line, body_of, chann
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
-
-# The longest wait between two keeps of the wrapper's, whatever the lease.
-_KEEP_AT_MOST_EVERY = 3600.0
 # Without LISTEN (listen=0, a pooler in transaction mode), a waiter looks this often.
 POLL_EVERY = 0.1
 # A waiter whose request failed (its connection dropped by the server) asks again this often.
@@ -41,7 +39,7 @@ class PgGrip:
     def __init__(self, url: str, ticket_id: str, fence: int, slot: int, token: str, ttl: float, kept_at: float) -> None:  # noqa: PLR0917 (the parts ``handover`` lists)
         self.url, self.ticket_id, self.fence, self.slot, self.token = url, ticket_id, fence, slot, token
         self.ttl, self.kept_at = ttl, kept_at
-        self._every, self._tried_at = min(ttl / 3, _KEEP_AT_MOST_EVERY), kept_at
+        self._cadence = Cadence(ttl, at=kept_at)
         self._db: Db | None = None
 
     @property
@@ -83,13 +81,11 @@ class PgGrip:
 
     def keep(self) -> float:
         """The lease kept, once a third of it has gone since the last try; how long until the next."""
-        now = time.monotonic()
-        if (left := self._tried_at + self._every - now) > 0:
+        if (left := self._cadence.due()) > 0:
             return left
-        self._tried_at = now
         with contextlib.suppress(BackendUnavailable):
             self._keep()
-        return self._every
+        return self._cadence.every
 
     def still_ours(self) -> bool:
         """Kept within half the lease: certainly ours, no request. Else look (wrapper and holder
