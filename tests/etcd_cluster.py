@@ -21,10 +21,18 @@ from pathlib import Path
 ETCD = shutil.which("etcd")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free now, all different: each stays bound until all are chosen. (Bound
+    and closed one at a time, the kernel handed one port out twice: two members on one peer URL,
+    and a session cluster that never started.)"""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Member:
@@ -58,7 +66,8 @@ class Member:
 class Cluster:
     def __init__(self, root: Path, size: int = 3) -> None:
         self.root = root
-        self.members = [Member(f"m{i}", root / f"m{i}", _free_port(), _free_port()) for i in range(size)]
+        ports = _free_ports(2 * size)
+        self.members = [Member(f"m{i}", root / f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
         self.initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer}" for m in self.members)
 
     @property
@@ -92,6 +101,11 @@ class Cluster:
         for m in self.members:
             self.start(m)
         self.wait_healthy()
+        # wait_healthy asks only the members still running: one that exited at start says so here,
+        # not as every etcd test of the worker failing to reach the cluster.
+        gone = [m.name for m in self.members if m.proc is None or m.proc.poll() is not None]
+        if gone:
+            raise RuntimeError(f"etcd members {gone} exited as the cluster started; logs in {self.root}")
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
