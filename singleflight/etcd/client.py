@@ -315,10 +315,13 @@ def cmp(key: str, target: str, result: str, value: int, *, prefix: bool = False)
     return out
 
 
-def op_put(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
+def op_put(key: str, value: bytes, lease: int = 0, *, keep_lease: bool = False) -> dict[str, Any]:
+    """A put; ``keep_lease``: on the lease the key has (etcd refuses it for a key that is not there)."""
     body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if lease:
         body["lease"] = str(lease)
+    if keep_lease:
+        body["ignore_lease"] = True
     return {"request_put": body}
 
 

@@ -22,7 +22,7 @@ from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import ending
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex, ttl_of
-from singleflight.etcd.records import deadline_mono, parse, stamp_lease, value
+from singleflight.etcd.records import deadline_mono, parse, refresh_copy, stamp_lease, value
 from singleflight.etcd.tickets import ticket_of
 from singleflight.etcd.watch import KeyWatch
 
@@ -156,6 +156,8 @@ class EtcdLease:
                 ops.append(op_put(self.mutex.base + "last", str(self.fence).encode()))
             if copy:
                 ops.append(op_put(self.mutex.t + self.ticket.ticket_id, self._body(), self.keep_lease))
+            elif self.settled:
+                ops.append(refresh_copy(self.mutex.t + self.ticket.ticket_id, self._body()))
             try:
                 r = self.cluster.txn([cmp(self.key, "MOD", "EQUAL", self.mod)], ops, [])
             except Refused:

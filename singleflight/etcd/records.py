@@ -15,6 +15,7 @@ from singleflight.core.errors import CorruptRecord
 from singleflight.core.reasons import EndReason
 from singleflight.core.record import rfc3339
 from singleflight.core.ticket import Ticket
+from singleflight.etcd.client import cmp, op_put, op_txn
 
 if TYPE_CHECKING:
     from typing import Any
@@ -129,8 +130,16 @@ def foreign(kv: dict[str, Any], position: int, repo: str, lock: str, lease_left:
 
 def lapsed(copy: bytes) -> Ticket | None:
     """A ticket from its copy (``t/``), there being no key and no end record: it lapsed with
-    nobody left to end it (its every process died): expired, its lease ran out."""
+    nobody left to end it (its every process died): expired when its lease ran out, as the last
+    write of its key recorded it (``refresh_copy``)."""
     t = parse(copy)
     if t is not None:
-        t.state, t.end_reason = EXPIRED, EndReason.LEASE_EXPIRED.text()
+        t.end(EXPIRED, EndReason.LEASE_EXPIRED.text(), at=t.lease_expires_at)
     return t
+
+
+def refresh_copy(copy: str, body: bytes) -> dict[str, Any]:
+    """The op that writes ``body`` into the ticket's copy (key ``copy``) too, if it has one (a
+    settled holder's), on the copy's own lease: in the txn of every write of the key that moves
+    its deadline, so a lapsed ticket says when its lease ran out."""
+    return op_txn([cmp(copy, "CREATE", "GREATER", 0)], [op_put(copy, body, keep_lease=True)], [])

@@ -17,7 +17,7 @@ from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records, slots
 from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
 from singleflight.etcd.lock import Mutex
-from singleflight.etcd.records import deadline_mono, lapsed, margin_of, parse, ticket_id_of, value
+from singleflight.etcd.records import deadline_mono, lapsed, margin_of, parse, refresh_copy, ticket_id_of, value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -115,9 +115,8 @@ class EtcdTickets:
                 self._taking_over(t)
             body = records.value(t, kv["lease"], margin=margin_of(kv["value"]) or None)
             try:
-                r = self.cluster.txn(
-                    [cmp(key, "MOD", "EQUAL", kv["mod_revision"])], [op_put(key, body, kv["lease"])], []
-                )
+                puts = [op_put(key, body, kv["lease"]), refresh_copy(self.mutex.t + ticket_id, body)]
+                r = self.cluster.txn([cmp(key, "MOD", "EQUAL", kv["mod_revision"])], puts, [])
             except Refused:
                 raise NotHeld(ticket_id, EndReason.LEASE_EXPIRED) from None
             if r.get("succeeded"):
