@@ -15,7 +15,7 @@ from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import TokenFiles
 from singleflight.etcd import records, slots
-from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, revision
+from singleflight.etcd.client import Cluster, Refused, cmp, op_delete, op_put, op_range, ranged, revision
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import deadline_mono, lapsed, margin_of, parse, refresh_copy, ticket_id_of, value
 
@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from typing import Any
 
     from singleflight.core.line import Line
+
+
+# Ends over a key that changed since it was read (a holder settling, a heartbeat): read again this
+# many times, then written over as it is.
+_END_TRIES = 5
 
 
 class EtcdTickets:
@@ -69,25 +74,37 @@ class EtcdTickets:
     def end(
         self, ticket_id: str, state: str, reason: str, *, only_if_held: bool = True, release: bool = True
     ) -> Ticket | None:
+        # Over the key as read: its holder settling (pid, since when) or a heartbeat in between is
+        # read again, never written over (a release then saw an unsettled holder, did not poke it,
+        # and its next look was a third of its lease away). The last try writes whatever came.
+        for tries_left in range(_END_TRIES - 1, -1, -1):
+            ended, done = self._end_once(ticket_id, state, reason, only_if_held, release, exact=tries_left > 0)
+            if done:
+                return ended
+        return None
+
+    def _end_once(
+        self, ticket_id: str, state: str, reason: str, only_if_held: bool, release: bool, *, exact: bool
+    ) -> tuple[Ticket | None, bool]:
+        """``end`` once: (the ticket ended or None, whether that is the answer)."""
         found = ticket_of(self.mutex, ticket_id)
         if found is None:
-            return None
+            return None, True
         t, kv = found
         if kv is None:
-            return None
+            return None, True
         if not t.live or (only_if_held and t.state != HELD):
             if release and not t.live:
                 self.cluster.revoke(kv["lease"])  # its token died earlier; now the lock goes too
-            return None
+            return None, True
         if t.state == WAITING and not release:  # (released: nobody's process is left to start)
             if cancel_waiting(self.mutex, t, kv, reason):
-                return self.read(ticket_id) or t  # out of the line: its waiter's watch sees the key go
+                return self.read(ticket_id) or t, True  # out of the line: its waiter's watch sees the key go
             found = ticket_of(self.mutex, ticket_id)  # its turn came meanwhile: it ends as a holder
             if found is None or found[1] is None or not found[0].live:
-                return None
+                return None, True
             t, kv = found[0], found[1]
-        end_ticket(self.mutex, t, kv, state, reason, revoke=release)
-        return t
+        return t, end_ticket(self.mutex, t, kv, state, reason, revoke=release, exact=exact)
 
     def update(self, ticket_id: str, change: Callable[[Ticket], bool]) -> Ticket | None:
         """Compare-and-swap on the ticket's key (its mod revision), read again whenever another
@@ -198,22 +215,35 @@ def ticket_of(mutex: Mutex, ticket_id: str) -> tuple[Ticket, dict[str, Any] | No
     return None if t is None else (t, None)
 
 
-def end_ticket(mutex: Mutex, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True) -> None:
+def end_ticket(
+    mutex: Mutex, t: Ticket, kv: dict[str, Any], state: str, reason: str, *, revoke: bool = True, exact: bool = False
+) -> bool:
     """Record the ticket's end (kept an hour); then revoke its lease: the key goes, the next is
-    promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours."""
+    promoted. Without ``revoke`` the key stays, marked ended: the token is dead, the lock still ours.
+    ``exact``: only over the key's value as read; False (nothing written) when it changed since."""
     t.end(state, reason)
     lease = int(kv["lease"])
-    keep = mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
     body = value(t, lease)
+    mine = [cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"])]
+    if exact:
+        mine.append(cmp(kv["key"], "MOD", "EQUAL", kv["mod_revision"]))
+    keep = mutex.cluster.grant(int(ENDED_TICKET_RETENTION))
     ended = op_put(mutex.e + t.ticket_id, body, keep)
     # Only over the very key we read: a put on a key that lapsed meanwhile would make a new one.
-    mutex.cluster.txn(
-        [cmp(kv["key"], "CREATE", "EQUAL", kv["create_revision"])],
+    r = mutex.cluster.txn(
+        mine,
         [ended] if revoke else [ended, op_put(kv["key"], body, lease)],
-        [ended],
+        [op_range(kv["key"])],
     )
+    if not r.get("succeeded"):
+        now = ranged(r, 0)[0]
+        if now and now[0]["create_revision"] == kv["create_revision"]:
+            mutex.cluster.revoke(keep)
+            return False  # changed since it was read: read it again
+        mutex.cluster.put(mutex.e + t.ticket_id, body, keep)  # the key went meanwhile: its end stands
     if revoke:
         mutex.cluster.revoke(lease)
+    return True
 
 
 def cancel_waiting(mutex: Mutex, t: Ticket, kv: dict[str, Any], reason: str) -> bool:
