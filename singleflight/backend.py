@@ -111,9 +111,17 @@ class Lease(Protocol):
         """At the deadline or when poked: None if still ours (deadline updated), else why it is
         not (``Loss.released``: its owner released it)."""
 
-    def end(self, state: str, reason: str) -> None:
-        """The token stops being live (after in-flight guarded commands). The lock stays
-        ours until ``release``, so COMMAND can be stopped first."""
+    def end(
+        self, state: str, reason: str | Callable[[Ticket], str | None], keep: Callable[[], None] | None = None
+    ) -> bool:
+        """The token stops being live, once no guarded command of its ticket is in flight (the
+        lease kept meanwhile: by ``keep``, called at least every ``cadence.guarded_every`` of the
+        lease, when given). The lock stays ours until ``release``, so COMMAND can be stopped
+        first. True when this call ended it.
+
+        ``reason`` may be a judgement (``rules.events``: a cancel request that stands): given the
+        live ticket as stored once no guarded command is in flight, the end's reason, or None to
+        leave it live; judged and ended in one step, so no other write lands in between."""
 
     def keep(self) -> None:
         """While COMMAND is being stopped: keep the lock ours a while longer; never raises."""
@@ -138,15 +146,6 @@ class LockOps(Protocol):
     def enter(self, ticket: Ticket) -> tuple[Grip | None, Place]:
         """Arrive: the lock itself when it is free and nobody is in line (the place then needs no
         ``leave``), else no grip and a place to queue from."""
-
-    # -- --cancel-in-progress: what rules/events.py needs of a store (the holders: ``line``) ---
-    def end_superseded(
-        self, lease: Lease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
-    ) -> str | None:
-        """In the holder of ``lease``, asked to stop: once no guarded command of its ticket is in
-        flight (``keep`` called every ``every`` s meanwhile), read the request its ticket carries
-        and, in the same step, end its token for it if ``stands(by)``, else clear it. The
-        requester it ended for; None when none stood (or the lease is being lost anyway)."""
 
     def take(self, grip: Any, ticket: Ticket, *, promoted: bool, kill_grace: float) -> tuple[Lease, Taken]:
         """In the holder: issue the fence, mint the token, write the token file.

@@ -28,3 +28,9 @@ class Cadence:
             return left
         self.at = now
         return 0.0
+
+
+def guarded_every(lease_seconds: float) -> float:
+    """How often a holder waiting for its guarded commands to end keeps its lease meanwhile
+    (``Lease.end``): a third of it, at least every second, at most 20 times a second."""
+    return max(0.05, min(1.0, lease_seconds / 3))

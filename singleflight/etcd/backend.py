@@ -30,7 +30,7 @@ from singleflight.core.request import (
 )
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts, mint_token, token_hash
-from singleflight.etcd import events, history, records, slots
+from singleflight.etcd import history, records, slots
 from singleflight.etcd.client import (
     Cluster,
     cmp,
@@ -156,12 +156,6 @@ class EtcdLock(EtcdTickets):
 
     # -- --cancel-in-progress (the rules: rules/events.py), through the cluster only: no signal,
     # the holder watches its key (``EtcdLease``) ------------------------------------------
-
-    def end_superseded(
-        self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
-    ) -> str | None:
-        assert isinstance(held, EtcdLease), "the lease this backend's take returned"
-        return events.end_superseded(held, stands, keep, every)
 
     def take(
         self, grip: EtcdGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float

@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 
+from singleflight.core.cadence import guarded_every
 from singleflight.core.const import RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.ticket import Ticket
@@ -61,7 +62,16 @@ class _Held(Protocol):
     def _keepalive(self) -> None: ...
 
 
-def end(self: _Held, state: str, reason: str) -> None:
+def end(
+    self: _Held, state: str, reason: str | Callable[[Ticket], str | None], keep: Callable[[], None] | None = None
+) -> bool:
+    """``Lease.end`` on etcd: ``reason`` as given (``_end``), or as a judgement (``end_judged``)."""
+    if isinstance(reason, str):
+        return _end(self, state, reason)
+    return end_judged(self, state, reason, keep or self._keepalive, guarded_every(self.ticket.lease_seconds))
+
+
+def _end(self: _Held, state: str, reason: str) -> bool:
     """The token dies, after the guarded commands of its ticket (``pearing-guard exec``, each a
     key of its own, on a lease of its --max-seconds) have ended: expiry and release wait for
     them, as on the lock dir, with our lease kept alive meanwhile. Released (COMMAND has
@@ -69,7 +79,7 @@ def end(self: _Held, state: str, reason: str) -> None:
     COMMAND's end. Otherwise the key stays, marked ended, until ``release``: the lock is ours
     while COMMAND is being stopped."""
     if self.unreachable:
-        return  # stopping COMMAND must not wait on a cluster we cannot reach
+        return False  # stopping COMMAND must not wait on a cluster we cannot reach
     t, g = self.ticket, self.mutex.g
     # No guard key at all, the usual case: one txn, as without guards. Else: none of ours
     # since the revision at which we saw the last one go.
@@ -102,11 +112,11 @@ def end(self: _Held, state: str, reason: str) -> None:
             if r.get("succeeded"):
                 self.ended = body
                 self.key_gone = state == RELEASED
-                return
+                return True
             now = ranged(r, 0)[0]
             cur = parse(now[0]["value"]) if now and now[0]["create_revision"] == self.fence else None
             if cur is None or not cur.live:
-                return  # gone, or ended by its owner (release-lock-ticket): that end record stands
+                return False  # gone, or ended by its owner (release-lock-ticket): that end record stands
             if now[0]["mod_revision"] != self.mod:
                 self.mod = now[0]["mod_revision"]  # a heartbeat came in between
             elif guarded is not None and ranged(r, 1)[0]:
@@ -114,7 +124,65 @@ def end(self: _Held, state: str, reason: str) -> None:
                 at = _await_guards(self) if rounds <= _END_GUARD_ROUNDS else None
                 guarded = None if at is None else cmp(g, "CREATE", "LESS", at + 1, prefix=True)
             else:
-                return  # not ours to end any more (the next check says why)
+                return False  # not ours to end any more (the next check says why)
+    return False
+
+
+def end_judged(
+    self: _Held, state: str, judge: Callable[[Ticket], str | None], keep: Callable[[], None], every: float
+) -> bool:
+    """The token dies for the reason ``judge`` gives the key's ticket as stored (None: it stays
+    live), once no guarded command of its ticket is in flight (``keep`` called every ``every`` s
+    meanwhile), only over the revision it judged (compared in the txn that ends it): a
+    withdrawal or a new guarded command in between makes it judge again.
+
+    This is ``end``'s transaction with one difference: a change of the key is judged again
+    instead of being followed (a withdrawn cancel request must not end the token)."""
+    t, mutex, cluster = self.ticket, self.mutex, self.cluster
+
+    def until() -> float:  # not past the cut-off, nor once the lease lapsed
+        return -math.inf if self.lapsed else self._cut_off()
+
+    for _ in range(_END_TRIES):
+        try:
+            at = wait_guards_of(mutex, t.ticket_id, until, keep, every)
+            if at is None:
+                return False  # lapsed, or cut off from the cluster: the next check says so
+            kv = cluster.get(self.key)
+        except BackendUnavailable:
+            return False
+        if kv is None or kv["create_revision"] != self.fence:
+            return False  # lost meanwhile: the next check says why
+        cur = parse(kv["value"])
+        if cur is None or not cur.live:
+            return False  # ended or released meanwhile: the next check says why
+        was = t.state, t.end_reason, t.ended_at, t.superseded_by
+        try:
+            why = judge(cur)
+        except BackendUnavailable:
+            return False  # judged again at the next look
+        if why is None:
+            return False
+        t.end(state, why)
+        body = self._body()
+        ops = [
+            op_put(mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
+            op_put(mutex.base + "last", str(self.fence).encode()),
+            op_put(self.key, body, self.lease),  # the key stays, ended: the lock is ours until COMMAND is dead
+            op_delete(mutex.t + t.ticket_id),  # the settled copy: the end record says it now
+        ]
+        mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", kv["mod_revision"])]
+        try:
+            r = cluster.txn([*mine, cmp(mutex.g, "CREATE", "LESS", at + 1, prefix=True)], ops, [])
+        except (BackendUnavailable, Refused) as exc:
+            r = {}
+            if isinstance(exc, Refused):
+                self.keep_lease = 0  # the hour's lease ran out under a long run: ours, as ``end``
+        if r.get("succeeded"):
+            self.ended = body  # a later ``end`` finds it ended and leaves that record
+            return True
+        t.state, t.end_reason, t.ended_at, t.superseded_by = was
+    return False
 
 
 def _await_guards(self: _Held) -> int | None:

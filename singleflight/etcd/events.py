@@ -11,33 +11,23 @@ waiter watches its own key while it waits and leaves busy at once.
 A cancel-in-progress request travels through the cluster alone: a compare-and-swap
 sets ``superseded_by`` in the holder's own key, which an opted-in holder watches
 (``EtcdLease``), and another one clears it (a withdrawal). When the holder acts on it,
-its token dies in a txn over the revision it judged (``end_superseded``); then it stops
+its token dies in a txn over the revision it judged (``ending.end_judged``); then it stops
 as on any loss: COMMAND stopped, lock released, and its run exits busy. Who may be asked,
 and when a request stands, is rules/events.py's.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
-from singleflight.core.const import ENDED_TICKET_RETENTION, EXPIRED, QUEUE_LATEST, TYPE_CHECKING
-from singleflight.core.errors import BackendUnavailable
-from singleflight.core.reasons import EndReason
+from singleflight.core.const import ENDED_TICKET_RETENTION, QUEUE_LATEST, TYPE_CHECKING
 from singleflight.core.ticket import Ticket
 from singleflight.etcd.client import Refused, cmp, op_delete, op_put, op_range, ranged, revision
-from singleflight.etcd.ending import wait_guards_of
 from singleflight.etcd.lock import Mutex
 from singleflight.etcd.records import margin_of, parse, ticket_id_of, value
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any
-
-    from singleflight.etcd.lease import EtcdLease
-
-# How often the holder's end for a request looks again after the key changed under it.
-_END_TRIES = 8
 
 
 def join_latest(
@@ -165,62 +155,3 @@ def mark_superseded(mutex: Mutex, holder: Ticket, by: str | None, kv: dict[str, 
     except Refused:
         return False  # its lease went meanwhile
     return bool(r.get("succeeded"))
-
-
-def end_superseded(
-    lease: EtcdLease, stands: Callable[[str], bool], keep: Callable[[], None], every: float
-) -> str | None:
-    """The holder's token dies for the request in its key, once no guarded command of its ticket
-    is in flight, only if ``stands(by)`` and only over the revision it judged (compared in the
-    txn that ends it): a withdrawal or a new guarded command in between makes it look again.
-
-    This is ``ending.end``'s transaction with one difference: a change of the key is judged
-    again instead of being followed (a withdrawn request must not end the token)."""
-    t, mutex, cluster = lease.ticket, lease.mutex, lease.cluster
-    for _ in range(_END_TRIES):
-        try:
-            at = wait_guards_of(mutex, t.ticket_id, lambda: _until(lease), keep, every)
-            if at is None:
-                return None  # lapsed, or cut off from the cluster: the next check says so
-            kv = cluster.get(lease.key)
-        except BackendUnavailable:
-            return None
-        if kv is None or kv["create_revision"] != lease.fence:
-            return None  # lost meanwhile: the next check says why
-        cur = parse(kv["value"])
-        if cur is None or not cur.live or not cur.superseded_by:
-            return None  # ended or released meanwhile (the next check says why), or withdrawn
-        by = cur.superseded_by
-        try:
-            if not stands(by):
-                if mark_superseded(mutex, cur, None, kv):
-                    return None
-                continue
-        except BackendUnavailable:
-            return None  # judged again at the next look: the request is still in the key
-        mine = [cmp(lease.key, "CREATE", "EQUAL", lease.fence), cmp(lease.key, "MOD", "EQUAL", kv["mod_revision"])]
-        was = t.state, t.end_reason, t.ended_at, t.superseded_by
-        t.superseded_by = by
-        t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
-        body = lease._body()
-        ops = [
-            op_put(mutex.e + t.ticket_id, body, lease.keep_lease or lease.lease),
-            op_put(mutex.base + "last", str(lease.fence).encode()),
-            op_put(lease.key, body, lease.lease),  # the key stays, ended: the lock is ours until COMMAND is dead
-        ]
-        try:
-            r = cluster.txn([*mine, cmp(mutex.g, "CREATE", "LESS", at + 1, prefix=True)], ops, [])
-        except (BackendUnavailable, Refused) as exc:
-            r = {}
-            if isinstance(exc, Refused):
-                lease.keep_lease = 0  # the hour's lease ran out under a long run: ours, as ``ending.end``
-        if r.get("succeeded"):
-            lease.ended = body  # ``lease.end`` then finds it ended and leaves that record
-            return by
-        t.state, t.end_reason, t.ended_at, t.superseded_by = was
-    return None
-
-
-def _until(lease: EtcdLease) -> float:
-    """How long a holder may wait for guarded commands: until its cut-off, not once it lapsed."""
-    return -math.inf if lease.lapsed else lease._cut_off()

@@ -267,9 +267,7 @@ class EtcdLease:
         self._schedule()
         return None
 
-    def end(self, state: str, reason: str) -> None:
-        """The token dies, after the guarded commands of its ticket (``ending.end``)."""
-        ending.end(self, state, reason)
+    end = ending.end  # the token dies, after the guarded commands of its ticket
 
     def keep(self) -> None:
         if not self.unreachable:

@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from singleflight.core import fault, names, proc
 from singleflight.core.const import (
     ENV_SLOT,
-    EXPIRED,
     HELD,
     REQUEST_ACTIVE,
     TYPE_CHECKING,
@@ -18,7 +17,6 @@ from singleflight.core.const import (
 )
 from singleflight.core.errors import UnknownLock, UnknownTicket, Vanished
 from singleflight.core.fs import same_file
-from singleflight.core.reasons import EndReason
 from singleflight.core.request import FENCE_PREFIX, Key, RequestRecord
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import Claim, Facts
@@ -112,35 +110,6 @@ class LocalLock:
             if t is not None and (name == "holder" or t.live):
                 found.append(t)
         return sorted(found, key=lambda t: t.fence or 0)
-
-    def end_superseded(
-        self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
-    ) -> str | None:
-        """The guard lock first (as every end of a lease: guarded commands land first), then the
-        record under the mutex, which a withdrawal takes too: it lands before or after, never
-        between the judgement and the end."""
-        store, tid = self.store, held.ticket.ticket_id
-        fd = store.open_lock_file("guard.lock")
-        try:
-            while not queue.flock_until(fd, time.monotonic() + every):
-                os.close(fd)  # see flock_until: a lock granted as the alarm fired goes with it
-                fd = -1
-                keep()
-                fd = store.open_lock_file("guard.lock")
-            with store.mutex():
-                t = store.read_ticket(tid)
-                by = t.superseded_by if t is not None and t.state == HELD else None
-                if t is None or by is None:
-                    return None
-                if stands(by):
-                    t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
-                else:
-                    t.superseded_by = by = None
-                store.write_ticket(t)
-                return by
-        finally:
-            if fd >= 0:
-                os.close(fd)
 
     def take(
         self, grip: FlockGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float

@@ -23,12 +23,11 @@ from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
-from singleflight.local import slots
-from singleflight.local.queue import WAITER_POKE
+from singleflight.local import queue, slots
 from singleflight.local.store import LockStore, flocked
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 
 @contextmanager
@@ -39,6 +38,39 @@ def guard_exclusive(store: LockStore) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def end_judged(
+    store: LockStore,
+    ticket_id: str,
+    state: str,
+    judge: Callable[[Ticket], str | None],
+    *,
+    keep: Callable[[], None],
+    every: float,
+) -> bool:
+    """A held ticket ended for the reason ``judge`` gives it as stored (None: left live), once no
+    guarded command is in flight: the guard lock first (``keep`` called every ``every`` s while
+    waiting for it), then the judgement and the end under the mutex, which every other write of
+    the ticket takes too: none lands between them."""
+    fd = store.open_lock_file("guard.lock")
+    try:
+        while not queue.flock_until(fd, time.monotonic() + every):
+            os.close(fd)  # see flock_until: a lock granted as the alarm fired goes with it
+            fd = -1
+            keep()
+            fd = store.open_lock_file("guard.lock")
+        with store.mutex():
+            t = store.read_ticket(ticket_id)
+            why = judge(t) if t is not None and t.state == HELD else None
+            if t is None or why is None:
+                return False
+            t.end(state, why)
+            store.write_ticket(t)
+            return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def sweep_previous_holder(store: LockStore, new_ticket_id: str, name: str = "holder") -> int:
@@ -199,7 +231,7 @@ def renew(store: LockStore, ticket_id: str, seconds: float, seen: float | None) 
 def poke(t: Ticket, *, waiter: bool = False) -> bool:
     """Tell a ticket's process (another one) to re-read the ticket now: SIGUSR1 to a holder,
     the waiters' own signal to a waiter (``queue.WAITER_POKE``)."""
-    return proc.signal_exact(t.holder_pid, t.holder_start, WAITER_POKE if waiter else signal.SIGUSR1)
+    return proc.signal_exact(t.holder_pid, t.holder_start, queue.WAITER_POKE if waiter else signal.SIGUSR1)
 
 
 # How long ending another process's waiting ticket waits for that waiter to leave the line (its
@@ -211,8 +243,8 @@ def wake_waiter(t: Ticket) -> None:
     """Its waiter (in line) re-reads the ticket now (``queue.WAITER_POKE``) and leaves the line;
     another process's is waited for (``LEAVE_WAIT`` at most), our own only told."""
     if t.holder_pid != os.getpid():
-        proc.poke_and_wait(t.holder_pid, t.holder_start, WAITER_POKE, LEAVE_WAIT)
-    elif signal.getsignal(WAITER_POKE) not in (signal.SIG_DFL, None):
+        proc.poke_and_wait(t.holder_pid, t.holder_start, queue.WAITER_POKE, LEAVE_WAIT)
+    elif signal.getsignal(queue.WAITER_POKE) not in (signal.SIG_DFL, None):
         poke(t, waiter=True)
 
 

@@ -8,7 +8,7 @@ import signal
 import time
 from types import FrameType
 
-from singleflight.core import fault
+from singleflight.core import cadence, fault
 from singleflight.core.const import QUEUE_LATEST, TYPE_CHECKING, WAITING
 from singleflight.core.errors import LineFull
 from singleflight.core.fs import same_file
@@ -57,6 +57,10 @@ class FlockGrip:
                 os.close(fd)
             raise ValueError(f"a lock dir's grip is one fd, not {fds!r}")  # a bug: reported as 70
         return cls(fds[0], slot=int(info.get("slot", 0)))
+
+
+def _nothing() -> None:
+    """The lock dir's fd keeps the lock: nothing to send."""
 
 
 def _on_poke(signum: int, frame: FrameType | None) -> None:
@@ -185,8 +189,14 @@ class LocalLease:
             self.ticket = t
         return loss
 
-    def end(self, state: str, reason: str) -> None:
-        lease.end(self.store, self.ticket.ticket_id, state, reason)
+    def end(
+        self, state: str, reason: str | Callable[[Ticket], str | None], keep: Callable[[], None] | None = None
+    ) -> bool:
+        tid = self.ticket.ticket_id
+        if isinstance(reason, str):  # the guard lock is waited for in the kernel: the fd keeps the lock
+            return lease.end(self.store, tid, state, reason) is not None
+        every = cadence.guarded_every(self.ticket.lease_seconds)
+        return lease.end_judged(self.store, tid, state, reason, keep=keep or _nothing, every=every)
 
     def keep(self) -> None:
         """The fd keeps the lock by being open."""

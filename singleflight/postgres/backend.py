@@ -152,13 +152,6 @@ class PgLock(PgTickets):
 
     # -- --cancel-in-progress (the rules: rules/events.py) -----------------------------------
 
-    def end_superseded(
-        self, held: Any, stands: Callable[[str], bool], keep: Callable[[], None], every: float
-    ) -> str | None:
-        from singleflight.postgres.lease import end_superseded
-
-        return end_superseded(held, stands, keep, every)
-
     def take(
         self, grip: PgGrip | dict[str, Any], ticket: Ticket, *, promoted: bool, kill_grace: float
     ) -> tuple[PgLease, Taken]:

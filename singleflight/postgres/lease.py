@@ -13,9 +13,9 @@ import contextlib
 import time
 
 from singleflight.core import proc
-from singleflight.core.const import EXPIRED, RELEASED, TYPE_CHECKING
+from singleflight.core.const import RELEASED, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
-from singleflight.core.reasons import EndReason, Loss
+from singleflight.core.reasons import Loss
 from singleflight.core.ticket import Ticket, hold_gone, unreachable_loss
 from singleflight.postgres import records
 from singleflight.postgres.db import Db
@@ -189,13 +189,17 @@ class PgLease:
 
     # -- the end --------------------------------------------------------------------------------
 
-    def end(self, state: str, reason: str) -> None:
+    def end(
+        self, state: str, reason: str | Callable[[Ticket], str | None], keep: Callable[[], None] | None = None
+    ) -> bool:
         """The token dies once the guarded commands of its ticket have ended. Released: the row
         leaves the line in the same step (the next waiter is woken); else it stays, ended, until
         ``release``: the lock is ours while COMMAND is being stopped."""
+        if not isinstance(reason, str):
+            return end_judged(self, state, reason, keep)
         self.unwritten = (state, reason)
         if self.unreachable or not await_guards(self):
-            return
+            return False
         with contextlib.suppress(BackendUnavailable), self.db.tx() as cur:
             row = self.db.one(
                 cur,
@@ -204,7 +208,7 @@ class PgLease:
             )
             if row is None or not to_ticket(self.ticket.ticket_id, row[0]).live:
                 self.unwritten = None
-                return  # gone, or ended by its owner: that end stands
+                return False  # gone, or ended by its owner: that end stands
             self.unwritten = None
             self.ticket.end(state, reason)
             leave = state == RELEASED
@@ -217,6 +221,8 @@ class PgLease:
             if leave:
                 self.gone = True
                 self.db.ex(cur, "SELECT pg_notify(%s, '')", (channel(self.db, self.lk.repo, self.lk.lock),))
+            return True
+        return False
 
     def keep(self) -> None:
         if not self.unreachable:
@@ -258,9 +264,9 @@ class PgLease:
         housekeeping(self.db, self.lk.repo, self.lk.lock)
 
 
-def await_guards(lease: PgLease) -> bool:
-    """Until no guarded command of the lease's ticket is in flight, the lease kept meanwhile.
-    False: lost, or the server out of reach until the cut-off."""
+def await_guards(lease: PgLease, keep: Callable[[], None] | None = None) -> bool:
+    """Until no guarded command of the lease's ticket is in flight, the lease kept meanwhile (by
+    ``keep`` when given). False: lost, or the server out of reach until the cut-off."""
     for _ in range(_END_ROUNDS * 100):
         try:
             rows = lease.db.q(
@@ -274,7 +280,7 @@ def await_guards(lease: PgLease) -> bool:
         if time.monotonic() >= lease._cut_off() or lease.lapsed:
             return False
         if time.monotonic() >= lease.kept_at + lease.ttl / 3:
-            lease._keep()
+            (keep or lease._keep)()
         time.sleep(_GUARD_POLL)
     return False
 
@@ -294,45 +300,31 @@ def housekeeping(db: Db, repo: str, lock: str) -> None:
     db.close()
 
 
-def end_superseded(lease: PgLease, stands: Callable[[str], bool], keep: Callable[[], None], every: float) -> str | None:
-    """The holder's token dies for the request in its row, once no guarded command of its ticket
-    is in flight, only if ``stands(by)``, judged and ended under the row's lock."""
-    if not await_guards(lease):
-        return None
+def end_judged(
+    lease: PgLease, state: str, judge: Callable[[Ticket], str | None], keep: Callable[[], None] | None
+) -> bool:
+    """The token dies for the reason ``judge`` gives its row's ticket (None: it stays live), once
+    no guarded command of it is in flight, judged and ended under the row's lock."""
+    if lease.unreachable or not await_guards(lease, keep):
+        return False
     try:
-        row = lease.db.q(
-            "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s",
-            (lease.ticket.ticket_id, lease.fence),
-        )
-        if not row:
-            return None
-        by = to_ticket(lease.ticket.ticket_id, row[0][0]).superseded_by
-        if not by:
-            return None
-        standing = stands(by)
         with lease.db.tx() as cur:
-            row2 = lease.db.one(
+            row = lease.db.one(
                 cur,
                 "SELECT body FROM {s}.tickets WHERE id = %s AND line AND fence = %s FOR UPDATE",
                 (lease.ticket.ticket_id, lease.fence),
             )
-            if row2 is None:
-                return None
-            t = to_ticket(lease.ticket.ticket_id, row2[0])
-            if not t.live or t.superseded_by != by:
-                return None
-            if standing:
-                t.end(EXPIRED, EndReason.SUPERSEDED.text(by))
-            else:
-                t.superseded_by = None
+            t = None if row is None else to_ticket(lease.ticket.ticket_id, row[0])
+            why = judge(t) if t is not None and t.live else None
+            if t is None or why is None:
+                return False
+            t.end(state, why)
             lease.db.ex(
                 cur,
-                "UPDATE {s}.tickets SET body = %s, ver = ver + 1 WHERE id = %s",
+                "UPDATE {s}.tickets SET body = %s, ver = ver + 1, ended_at = clock_timestamp() WHERE id = %s",
                 (body_of(t), t.ticket_id),
             )
-            if standing:
-                lease.ticket.superseded_by = by
-                lease.ticket.end(EXPIRED, EndReason.SUPERSEDED.text(by))
-            return by if standing else None
+            lease.ticket.end(state, why)
+            return True
     except BackendUnavailable:
-        return None
+        return False

@@ -9,18 +9,20 @@ holder's ticket. The work is never lost to it:
   being stopped for the newcomer, which keeps its place until that run is gone;
 - one that cannot take it back (kill -9) no longer waits, and a holder acts only on a
   request whose newcomer still does (``stands``), judged once no guarded command of its
-  ticket is in flight and in the same step as its token dies (``LockOps.end_superseded``),
-  so no withdrawal can slip in between;
+  ticket is in flight and in the same step as its token dies (``act``: a judged
+  ``Lease.end``), so no withdrawal can slip in between;
 - a holder whose COMMAND has ended has nothing left to cancel: its run ends as it would have.
 
 A request that does not stand is cleared by whoever finds it. A backend offers only the
-holder's record as it stands, a compare-and-set of a ticket (``update``), a poke, and that end.
+holder's record as it stands, a compare-and-set of a ticket (``update``), a poke, and a
+judged end of a lease.
 """
 
 from __future__ import annotations
 
-from singleflight.core.const import DEFAULT_KILL_GRACE, RELEASED, TYPE_CHECKING, WAITING
+from singleflight.core.const import DEFAULT_KILL_GRACE, EXPIRED, RELEASED, TYPE_CHECKING, WAITING
 from singleflight.core.errors import NotHeld
+from singleflight.core.reasons import EndReason
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -152,10 +154,24 @@ def _handed_on(asked: Asked) -> float:
 def act(lk: LockOps, lease: Lease, *, command_ended: Callable[[], bool], keep: Callable[[], None]) -> str | None:
     """In the holder, asked to stop: the newcomer it stops for (its token is dead now), or None
     when no request stands (its COMMAND ended, its newcomer left or died; the request is cleared
-    and the run goes on). ``keep`` keeps the lease ours while guarded commands are waited for."""
+    and the run goes on). ``keep`` keeps the lease ours while guarded commands are waited for.
 
-    def still(by: str) -> bool:
-        return not command_ended() and stands(lk, by)
+    The request is judged by the store's end (``Lease.end``), once no guarded command of the
+    ticket is in flight and in the same step as its token dies: a withdrawal lands before or
+    after, never between the judgement and the end."""
 
-    every = max(0.05, min(1.0, lease.ticket.lease_seconds / 3))
-    return lk.end_superseded(lease, still, keep, every)
+    def judge(t: Ticket) -> str | None:
+        by = t.superseded_by
+        if not by or command_ended() or not stands(lk, by):
+            return None
+        lease.ticket.superseded_by = by  # what the end record says it was stopped for
+        return EndReason.SUPERSEDED.text(by)
+
+    if lease.end(EXPIRED, judge, keep):
+        return lease.ticket.superseded_by
+    # Not ended: a request that does not stand is cleared (a standing one the store could not
+    # act on now, lease lost or store out of reach, is left for the next look).
+    t = lk.read(lease.ticket.ticket_id)
+    if t is not None and t.live and t.superseded_by and judge(t) is None:
+        _mark(lk, t, None)
+    return None
