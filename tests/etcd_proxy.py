@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from listener import stop_listener
+
 from singleflight.etcd.wire import Answer
 
 # (path, request body, body of the member's answer 200) -> die instead of answering?
@@ -52,14 +54,16 @@ class DyingMember:
         self.died = threading.Event()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def die(self) -> None:
         with self._lock:
             self.died.set()
-            self.sock.close()
-            for c in self._conns:
-                c.close()
+            conns = list(self._conns)
+        stop_listener(self.sock, self._acceptor)  # (one accepted meanwhile is closed by _accept)
+        for c in conns:
+            c.close()
 
     def _accept(self) -> None:
         while True:

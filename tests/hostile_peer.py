@@ -77,13 +77,17 @@ class HostilePeer:
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
-            for s in self._listeners + self._conns:
+            socks = self._listeners + self._conns
+            for s in socks:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                s.close()
             threads = list(self._threads)
         for t in threads:
             t.join(timeout=5)
+        # Closed once no thread can be about to use one: a freed fd number is the next socket's
+        # (tests/listener.py).
+        for s in socks:
+            s.close()
 
     def _spawn(self, target: object, *args: object) -> None:
         t = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]

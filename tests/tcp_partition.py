@@ -11,6 +11,8 @@ import contextlib
 import socket
 import threading
 
+from listener import stop_listener
+
 
 class Partition:
     def __init__(self, target_port: int) -> None:
@@ -21,7 +23,8 @@ class Partition:
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
         self._mutex = threading.Lock()
-        threading.Thread(target=self._accept, name="partition-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="partition-accept", daemon=True)
+        self._acceptor.start()
 
     def cut(self) -> None:
         self._cut.set()
@@ -30,7 +33,8 @@ class Partition:
         self._closed.set()
         with self._mutex:
             socks, self._socks = self._socks, []
-        for s in [self.listener, *socks]:
+        stop_listener(self.listener, self._acceptor)
+        for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from hostile_peer import HostilePeer
+from listener import stop_listener
 
 from singleflight.etcd.client import NotEtcd, decode, op_delete, op_put, op_range
 from singleflight.etcd.wire import Answer, Conn, Stream, WireError
@@ -92,7 +93,7 @@ class OneShotServer:
                 conn.sendall(SIZED)
 
     def close(self) -> None:
-        self.sock.close()
+        stop_listener(self.sock, self.thread)
 
 
 @pytest.fixture
@@ -112,6 +113,27 @@ def test_a_connection_closed_while_idle_is_opened_again(server: OneShotServer) -
     assert server.requests == 3
 
 
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_stopped_stand_in_accepts_nothing_more() -> None:
+    """A stand-in server, once stopped after serving, has no thread left accepting and its port
+    refuses: a leftover one took a later test's connection and dropped it."""
+    for server in (OneShotServer(), EndingServer()):
+        conn = Conn("127.0.0.1", server.port, 2.0)
+        try:
+            assert conn.request("/v3/kv/range", b"{}") == (200, b'{"a": "b"}\n')
+        finally:
+            conn.close()
+        server.close()
+        assert not server.thread.is_alive() and _refused(server.port), type(server).__name__
+
+
 class EndingServer:
     """Answers each connection's first request, then ends its side of it (a member closing an
     idle connection) and keeps reading: what arrives after that, the member never answers."""
@@ -121,7 +143,8 @@ class EndingServer:
         self.port = self.sock.getsockname()[1]
         self.answered, self.unanswered = 0, 0
         self.ended = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -141,7 +164,7 @@ class EndingServer:
                     self.unanswered += 1
 
     def close(self) -> None:
-        self.sock.close()
+        stop_listener(self.sock, self.thread)
 
 
 def test_a_connection_closed_while_idle_is_not_asked_again() -> None:
