@@ -97,15 +97,33 @@ class Cluster:
         )  # fmt: skip
         log.close()
 
-    def start_all(self) -> None:
-        for m in self.members:
-            self.start(m)
-        self.wait_healthy()
-        # wait_healthy asks only the members still running: one that exited at start says so here,
-        # not as every etcd test of the worker failing to reach the cluster.
-        gone = [m.name for m in self.members if m.proc is None or m.proc.poll() is not None]
-        if gone:
-            raise RuntimeError(f"etcd members {gone} exited as the cluster started; logs in {self.root}")
+    def start_all(self, tries: int = 3) -> None:
+        """Every member, until the cluster is healthy. Its ports were free when chosen, but another
+        test worker may take one before the member binds it: a member that exited for that is
+        started again with the whole cluster on fresh ports (its data is thrown away)."""
+        for attempt in range(tries):
+            for m in self.members:
+                self.start(m)
+            self.wait_healthy()
+            # wait_healthy asks only the members still running: one that exited at start says so
+            # here, not as every etcd test of the worker failing to reach the cluster.
+            gone = [m for m in self.members if m.proc is None or m.proc.poll() is not None]
+            if not gone:
+                return
+            taken = any(b"address already in use" in (self.root / f"{m.name}.log").read_bytes() for m in gone)
+            if not taken or attempt == tries - 1:
+                raise RuntimeError(
+                    f"etcd members {[m.name for m in gone]} exited as the cluster started; logs in {self.root}"
+                )
+            self.stop()
+            self._renumber()
+
+    def _renumber(self) -> None:
+        ports = _free_ports(2 * len(self.members))
+        for i, m in enumerate(self.members):
+            m.client, m.peer, m.proc = ports[2 * i], ports[2 * i + 1], None
+            shutil.rmtree(m.data, ignore_errors=True)
+        self.initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer}" for m in self.members)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

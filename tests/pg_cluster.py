@@ -52,11 +52,25 @@ class PgCluster:
     def init(self) -> None:
         self._run(f"{BIN}/initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
 
-    def start(self, *settings: str) -> None:
-        """``settings``: more ``name=value`` for the server (as ``-c``)."""
-        opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c max_connections=300"
-        opts += "".join(f" -c {setting}" for setting in settings)
-        self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
+    def start(self, *settings: str, tries: int = 3) -> None:
+        """``settings``: more ``name=value`` for the server (as ``-c``). Its port was free when
+        chosen, but another test worker may take it before the server binds it: then it is
+        started again on a fresh one."""
+        log = self.root / "log"
+        for attempt in range(tries):
+            opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c max_connections=300"
+            opts += "".join(f" -c {setting}" for setting in settings)
+            seen = log.stat().st_size if log.exists() else 0
+            try:
+                self._run(f"{BIN}/pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(log), "-w", "start")
+                return
+            except subprocess.CalledProcessError:
+                with open(log, "rb") as f:
+                    f.seek(seen)
+                    taken = b"Address already in use" in f.read()
+                if not taken or attempt == tries - 1:
+                    raise
+                self.port = free_port()
 
     def standby_of(self, primary: PgCluster) -> None:
         """This cluster's data: a streaming copy of ``primary`` that follows it (pg_basebackup -R)."""
