@@ -17,10 +17,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import PEARING_CLI, PEARING_GUARD, Procs, Result, q, read_json, store_dir
+from helpers import PEARING_CLI, PEARING_GUARD, Procs, Result, cli_json, q, read_json, store_dir
 
 from singleflight.core import fs as _fs
-from singleflight.core.const import MAX_FENCE, ExitCode
+from singleflight.core.const import MAX_FENCE, REQUEST_RETENTION, ExitCode
 from singleflight.core.errors import CorruptRecord, NotPermitted
 from singleflight.core.record import new_uuid4
 from singleflight.core.request import RequestRecord
@@ -447,3 +447,23 @@ def test_dir_read_refuses_what_is_not_a_record(tmp_path: Path) -> None:
         for name in ("../x", "a/b", "..", "", "a\x00b"):
             with pytest.raises(NotPermitted, match="not a plain file name"):
                 d.read(name)
+
+
+def test_a_request_record_whose_run_is_gone_is_pruned_a_day_later(procs: Procs, lock_dir: Path) -> None:
+    """pearing-cli acquire-lock records which ticket its request uuid has, and that record is never
+    ended: once its run is gone it reads as none, and housekeeping removes it REQUEST_RETENTION
+    later, as etcd's lease and PostgreSQL's expiry drop theirs; not one file per request for good.
+    One whose run still holds stays. Real processes make them; the store is pruned in-process
+    with its clock moved on."""
+    gone, held = str(uuid.uuid4()), str(uuid.uuid4())
+    flags = ("--lease-seconds", "60", "--wait-seconds", "5")
+    first = cli_json(procs, "acquire-lock", "J", "--request-uuid", gone, *flags)
+    cli_json(procs, "release-lock-ticket", "J", first["ticket_id"])
+    second = cli_json(procs, "acquire-lock", "J", "--request-uuid", held, *flags)
+    requests = store_dir(lock_dir, "J") / "requests"
+    assert sorted(p.name for p in requests.iterdir()) == sorted([f"{gone}.json", f"{held}.json"])
+    with LockDir(str(lock_dir)) as ld, ld.lock_store("default", "J") as s:
+        assert lease.prune_requests(s, time.time() + REQUEST_RETENTION - 60) == 0  # not yet a day
+        assert lease.prune_requests(s, time.time() + REQUEST_RETENTION + 60) == 1
+    assert [p.name for p in requests.iterdir()] == [f"{held}.json"]
+    cli_json(procs, "release-lock-ticket", "J", second["ticket_id"])

@@ -65,6 +65,9 @@ ROOT_LOCK_DIR: Final = "/var/lib/pearing"
 PLACE_TTL: Final = 3
 # Ended tickets stay readable (get-lock-ticket, idempotent release) this long.
 ENDED_TICKET_RETENTION: Final = 3600.0
+# How long a request's record that names its ticket (pearing-cli acquire-lock's: a retry of the
+# uuid finds that ticket) is kept, on every store; a claim whose run is gone goes after it too.
+REQUEST_RETENTION: Final = 24 * 3600.0
 # Pruning and sweeping a lock's records happens at most this often.
 HOUSEKEEPING_EVERY: Final = 60.0
 

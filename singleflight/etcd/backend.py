@@ -17,6 +17,7 @@ from singleflight.core.const import (
     ENV_SLOT,
     HELD,
     REQUEST_ACTIVE,
+    REQUEST_RETENTION,
     TYPE_CHECKING,
 )
 from singleflight.core.request import (
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 
     from singleflight.core.idle import Idle
     from singleflight.core.protocol import Taken
-
-_REQUEST_RETENTION = 24 * 3600.0
 
 
 class EtcdLock(EtcdTickets):
@@ -241,7 +240,7 @@ class EtcdLock(EtcdTickets):
             ticket.promoted = found.promoted if found is not None and found.ticket_id == ticket.ticket_id else True
         # Only one acquisition per uuid, even when two arrive at once: the uuid record is
         # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
-        retain = self.cluster.grant(int(_REQUEST_RETENTION))
+        retain = self.cluster.grant(int(REQUEST_RETENTION))
         record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
         if not history.claim_request(mutex, ticket.request_uuid, record, retain, None):
             self.cluster.revoke(lease)

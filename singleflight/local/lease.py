@@ -16,6 +16,7 @@ from singleflight.core.const import (
     EXPIRED,
     HELD,
     HOUSEKEEPING_EVERY,
+    REQUEST_RETENTION,
     TYPE_CHECKING,
     WAITING,
 )
@@ -133,14 +134,26 @@ def prune_ended(store: LockStore, now: float, keep: float = ENDED_TICKET_RETENTI
 
 
 def prune_requests(store: LockStore, now: float) -> int:
-    """Remove request records that ended and whose dedupe window has passed."""
+    """Remove request records that ended and whose dedupe window has passed, and claims whose run
+    is gone (they read as none) once REQUEST_RETENTION has passed since they were made, as etcd's
+    lease and PostgreSQL's expiry drop them: pearing-cli acquire-lock's record of a uuid's ticket
+    is never ended, and one file per request would otherwise stay for good."""
+    from singleflight.local.records import LockRecords
+
     d = store.sub("requests")
     removed = 0
     for name in d.listdir():
         if not name.endswith(".json") or name.startswith("."):
             continue
         rec = store.read_request(name[:-5])
-        if rec and not rec.active and (rec.expires_at or 0.0) < now:
+        if rec is None:
+            continue
+        if rec.active:
+            old = (rec.created_at or now) < now - REQUEST_RETENTION
+            gone = old and LockRecords(store).dead_claim(d.read(name) or b"")
+        else:
+            gone = (rec.expires_at or 0.0) < now
+        if gone:
             removed += d.unlink(name)
     return removed
 

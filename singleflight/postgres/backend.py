@@ -10,7 +10,16 @@ import time
 from contextlib import contextmanager
 
 from singleflight.core import names, proc
-from singleflight.core.const import ENV_BACKEND, ENV_SLOT, HELD, QUEUE_LATEST, REQUEST_ACTIVE, TYPE_CHECKING, WAITING
+from singleflight.core.const import (
+    ENV_BACKEND,
+    ENV_SLOT,
+    HELD,
+    QUEUE_LATEST,
+    REQUEST_ACTIVE,
+    REQUEST_RETENTION,
+    TYPE_CHECKING,
+    WAITING,
+)
 from singleflight.core.errors import BackendUnavailable, NotHeld
 from singleflight.core.request import RequestRecord, lock_record, request_record
 from singleflight.core.ticket import Ticket
@@ -239,7 +248,7 @@ class PgLock(PgTickets):
                 (ticket.ticket_id, self.repo, self.lock, WAIT_TTL, body_of(ticket)),
             )
             record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
-            records.write(db, cur, key, record.to_json(), found[1], run=None, keep=24 * 3600.0)
+            records.write(db, cur, key, record.to_json(), found[1], run=None, keep=REQUEST_RETENTION)
         return ticket
 
 
