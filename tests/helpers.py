@@ -498,6 +498,27 @@ def ticket_ids(env: dict[str, str], lock_dir: Path, job: str, repo: str = "defau
     return {kv["key"][len(prefix) :] for kv in kvs}
 
 
+def forget_ticket(env: dict[str, str], lock_dir: Path, job: str, ticket_id: str, repo: str = "default") -> None:
+    """What the backend keeps of an ended ticket, removed, as its retention does an hour after it
+    ended: the lock dir's record, etcd's end record and copy, PostgreSQL's row."""
+    url = backend_url(env)
+    if url is None:
+        for sub in ("tickets", "ended"):
+            with contextlib.suppress(FileNotFoundError):
+                (store_dir(lock_dir, job, repo) / sub / f"{ticket_id}.json").unlink()
+        return
+    if caps_of(url).records_in_tables:
+        assert pg_query(url, "DELETE FROM {s}.tickets WHERE id = %s RETURNING id", (ticket_id,))
+        return
+    from singleflight.etcd.client import Cluster
+    from singleflight.etcd.lock import Mutex
+
+    cluster = Cluster(url)
+    mutex = Mutex(cluster, repo, job)
+    for key in (mutex.e + ticket_id, mutex.t + ticket_id):
+        cluster.delete(key)
+
+
 # -- reliability suite: consistent snapshots of a lock's records ----------------------------------
 
 

@@ -31,6 +31,7 @@ from helpers import (
     Procs,
     TextResult,
     backend_url,
+    forget_ticket,
     line_file,
     lock_status,
     pid_alive,
@@ -268,6 +269,23 @@ def test_same_uuid_at_once_makes_one_ticket(backend: str, work_procs: Procs) -> 
     assert len(tickets) == 1, results
     st = _cli(work_procs, "status", _LOCK, "--repo", _REPO).json
     assert [(x["holder"]["ticket_id"], x["waiters"]) for x in st] == [(tickets.pop(), [])], st
+
+
+def test_a_retry_whose_ticket_is_gone_gets_a_new_one(backend: str, work_procs: Procs, lock_dir: Path) -> None:
+    """A retry with the uuid of a released ticket is told of that ticket while the store knows it
+    (an hour: exit 1, the ticket, released); once it is gone, a new ticket, on every store (etcd
+    said "unknown ticket" for the rest of the request record's day)."""
+    first = _acquire(work_procs)
+    assert first.returncode == 0, first
+    tid = first.json["ticket_id"]
+    assert _cli(work_procs, "release-lock-ticket", _LOCK, tid, "--repo", _REPO).returncode == 0
+    again = _acquire(work_procs)
+    assert again.returncode == 1 and (again.json["ticket_id"], again.json["state"]) == (tid, "released"), again
+    forget_ticket(work_procs.env, lock_dir, _LOCK, tid, _REPO)
+    new = _acquire(work_procs)
+    assert new.returncode == 0 and new.json["ticket_id"] != tid and new.json["state"] == "held", new
+    assert new.json["fence"] > first.json["fence"]
+    assert _cli(work_procs, "release-lock-ticket", _LOCK, new.json["ticket_id"], "--repo", _REPO).returncode == 0
 
 
 def test_lease_expiry_without_heartbeat_frees_the_lock(caps: Caps, work_procs: Procs) -> None:

@@ -209,9 +209,11 @@ class EtcdLock(EtcdTickets):
 
     def create(self, ticket: Ticket) -> Ticket:
         mutex = self.mutex
-        rec, _ = history.read_request_kv(mutex, ticket.request_uuid)
-        if rec is not None and rec.ticket_id:
-            return self._existing(rec.ticket_id)
+        rec, seen = history.read_request_kv(mutex, ticket.request_uuid)
+        if rec is not None and rec.ticket_id and (found := self.read(rec.ticket_id)) is not None:
+            return found
+        # No record, or one whose ticket is gone (ended an hour ago): a new ticket, and the record
+        # set over the one read (as the lock dir and PostgreSQL do).
         ticket.holder_host = os.uname().nodename
         stamp_lease(ticket, ticket.lease_seconds)  # the waiting ticket's lease: its owner heartbeats it
         # On a waiting lease its owner keeps until its agent starts (and takes it over with a
@@ -242,7 +244,7 @@ class EtcdLock(EtcdTickets):
         # created by compare-and-swap, and the loser withdraws its ticket for the winner's.
         retain = self.cluster.grant(int(REQUEST_RETENTION))
         record = RequestRecord(state=REQUEST_ACTIVE, ticket_id=ticket.ticket_id, created_at=time.time())
-        if not history.claim_request(mutex, ticket.request_uuid, record, retain, None):
+        if not history.claim_request(mutex, ticket.request_uuid, record, retain, seen):
             self.cluster.revoke(lease)
             self.cluster.revoke(retain)
             rec, _ = history.read_request_kv(mutex, ticket.request_uuid)
