@@ -356,33 +356,26 @@ def _drop_kept(ticket_id: str) -> None:
 
 def get(at: Opened, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
     ticket_id = names.ticket_id(ticket_id)
-    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
-    try:
+    with tickets.existing_lock(at, lock, repo, ticket_id) as lk:
         t = lk.read(ticket_id)
         if t is None:
             raise UnknownTicket(ticket_id)
         return tickets.view(at, lk, t)
-    finally:
-        lk.close()
 
 
 def heartbeat(at: Opened, lock: str, repo: str, ticket_id: str, lease_seconds: float) -> dict[str, Any]:
     ticket_id = names.ticket_id(ticket_id)
-    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
-    try:
+    with tickets.existing_lock(at, lock, repo, ticket_id) as lk:
         return tickets.view(at, lk, tickets.heartbeat(lk, ticket_id, lease_seconds))
-    finally:
-        lk.close()
 
 
 def release(at: Opened, lock: str, repo: str, ticket_id: str) -> dict[str, Any]:
     """Release (held) or cancel (waiting). Idempotent; a lost lease is an error."""
     ticket_id = names.ticket_id(ticket_id)
-    lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
     try:
-        return tickets.view(at, lk, tickets.release(at, lk, ticket_id))
+        with tickets.existing_lock(at, lock, repo, ticket_id) as lk:
+            return tickets.view(at, lk, tickets.release(at, lk, ticket_id))
     finally:
-        lk.close()
         _drop_kept(ticket_id)  # its agent has let go: nothing left to answer for
 
 

@@ -288,6 +288,17 @@ def test_a_retry_whose_ticket_is_gone_gets_a_new_one(backend: str, work_procs: P
     assert _cli(work_procs, "release-lock-ticket", _LOCK, new.json["ticket_id"], "--repo", _REPO).returncode == 0
 
 
+def test_a_ticket_of_a_lock_that_does_not_exist_is_unknown_naming_it(backend: str, work_procs: Procs) -> None:
+    """get / heartbeat / release of a ticket in a lock the store has no record of: one line naming
+    the ticket asked for and the lock, exit 1, on every store; nothing made."""
+    tid = str(uuid.uuid4())
+    want = f"pearing-cli: error: ticket {tid}: unknown ticket: no lock 'never-made' in scope {_REPO!r}"
+    for command in (["get-lock-ticket"], ["release-lock-ticket"], ["heartbeat-lock-ticket", "--lease-seconds", "30"]):
+        r = _cli(work_procs, command[0], "never-made", tid, *command[1:], "--repo", _REPO)
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", want + "\n"), r
+    assert _cli(work_procs, "status", "never-made", "--repo", _REPO).json == []
+
+
 def test_lease_expiry_without_heartbeat_frees_the_lock(caps: Caps, work_procs: Procs) -> None:
     started = time.monotonic()
     acq = _acquire(work_procs, lease="2", wait="0")  # etcd's shortest lease

@@ -93,9 +93,9 @@ class UnknownTicket(NotHeld):
 class UnknownLock(NotHeld):
     """A ticket looked up in a lock that does not exist in the scope (no record of it at all)."""
 
-    def __init__(self, repo: str, lock: str) -> None:
+    def __init__(self, repo: str, lock: str, ticket_id: str = "-") -> None:
         self.repo, self.lock = repo, lock
-        super().__init__("-", f"unknown ticket: no lock {lock!r} in scope {repo!r}")
+        super().__init__(ticket_id, f"unknown ticket: no lock {lock!r} in scope {repo!r}")
 
 
 class LineFull(PearingError):

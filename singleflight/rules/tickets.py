@@ -11,15 +11,17 @@ import math
 import os
 import signal
 import time
+from contextlib import contextmanager
 
-from singleflight.core import proc
+from singleflight.core import names, proc
 from singleflight.core.const import CANCELLED, EXPIRED, HELD, RELEASED, TYPE_CHECKING, WAITING
-from singleflight.core.errors import NotHeld, UnknownTicket
+from singleflight.core.errors import NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.reasons import EndReason
 from singleflight.core.tokens import TokenFiles
 from singleflight.rules import records
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Any
 
     from singleflight.backend import LockOps, Opened
@@ -36,6 +38,20 @@ _SETTLE = 5.0
 # A wait for another process's ticket looks every tenth of the time it has waited: 5 ms at first,
 # 50 ms from half a second on.
 _TURN_POLL = (0.005, 0.05)
+
+
+@contextmanager
+def existing_lock(at: Opened, lock: str, repo: str, ticket_id: str) -> Iterator[LockOps]:
+    """The lock a command names a ticket of, which must exist (closed after): a lock the store
+    has no record of is that ticket's "unknown ticket", naming the ticket asked for."""
+    try:
+        lk = at.backend.lock(names.scope(repo), names.lock_name(lock), create=False)
+        try:
+            yield lk
+        finally:
+            lk.close()
+    except UnknownLock as exc:
+        raise UnknownLock(exc.repo, exc.lock, ticket_id) from None
 
 
 def _tokens(at: Opened, repo: str, lock: str) -> TokenFiles:
