@@ -7,6 +7,8 @@ both by the other files, through the `backend` fixture."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +16,19 @@ from pathlib import Path
 import pytest
 from etcd_cluster import Cluster
 from etcd_proxy import DyingMember, dying_first, puts_under
-from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, Result, q, stubborn_command, ticket_ids, wait_for
+from helpers import (
+    PEARING_CLI,
+    PEARING_GUARD,
+    Gate,
+    Procs,
+    Result,
+    lock_status,
+    proc_state,
+    q,
+    stubborn_command,
+    ticket_ids,
+    wait_for,
+)
 
 from singleflight.core.const import ENV_BACKEND, ExitCode
 from singleflight.etcd.client import Cluster as Client
@@ -308,3 +322,31 @@ def test_commands_pearing_cli_reaches_the_cluster_given_on_the_command_line_only
     assert r.returncode == 0, r
     ticket = json.loads(seen.read_text())
     assert ticket["state"] == "held" and ticket["lock_name"] == job and ticket["lease_seconds"] == 9, ticket
+
+
+def test_a_release_read_before_its_holder_settled_still_stops_the_command_at_once(
+    on_etcd: str, procs: Procs, work: Path, job: str
+) -> None:
+    """release-lock-ticket reads the holder's key before the holder has recorded itself in it
+    (settled: its first 0.1 s), and writes after it did. The end must not write the unsettled
+    ticket over the settled one: it then saw no settled holder to poke, and COMMAND was stopped
+    only at the holder's next look, a third of its 60 s lease later (CI saw it once)."""
+    gate = Gate(work)
+    settling = dict(procs.env, PEARING_FAULT="pause-etcd-settle")  # the holder stops itself there
+    run = procs.pr("--job", job, "--lease-seconds", "60", "--", "sh", "-c", gate.script(), env=settling)
+    gate.wait_ready()
+    holder = wait_for(
+        lambda: next((p for p in procs._marked_pids() if proc_state(p) == "T"), None), 15, "the holder to stop"
+    )
+    ticket = lock_status(procs, job)["holder"]["ticket_id"]
+    go = work / "release.go"
+    reading = dict(procs.env, PEARING_FAULT="pause-etcd-end-read", PEARING_FAULT_GATE=str(go))
+    release = procs.start([PEARING_CLI, "release-lock-ticket", job, ticket], env=reading, text=True)
+    wait_for(lambda: any(p.name.startswith("release.go.") for p in work.iterdir()), 15, "the release to read the key")
+    os.kill(holder, signal.SIGCONT)
+    wait_for(lambda: lock_status(procs, job)["holder"]["holder_pid"] == holder, 15, "the holder to settle")
+    go.touch()
+    started = time.monotonic()
+    assert procs.finish(release).returncode == 0
+    assert procs.finish(run).returncode == ExitCode.LEASE_LOST
+    assert time.monotonic() - started < 10, "COMMAND was stopped at the holder's next look, not when released"

@@ -18,7 +18,10 @@ lock, right before it tells its owner: promoted as its owner's wait runs out), p
 dir acquirer between opening the lock's file and its first flock: a prune may remove it then),
 pause-queued (an acquirer just in line, before its wait's first pass: newcomers count it then),
 pause-in-mutex (a lock dir acquirer joining the line, inside the lock's record mutex;
-on PostgreSQL, inside the transaction that holds the lock's row).
+on PostgreSQL, inside the transaction that holds the lock's row), pause-etcd-settle (an etcd
+holder whose COMMAND has started, right before it records itself in its key), pause-etcd-end-read
+(an etcd end of another process's ticket, release-lock-ticket's, between reading its key and
+writing it).
 
 With ``PEARING_FAULT_GATE=PATH`` a pause point waits for PATH to exist instead of stopping (it
 first creates ``PATH.PID``): the process stays runnable, so a test can send it a stop signal

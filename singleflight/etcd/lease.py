@@ -14,6 +14,7 @@ import contextlib
 import select
 import time
 
+from singleflight.core import fault
 from singleflight.core.const import ENDED_TICKET_RETENTION, TYPE_CHECKING
 from singleflight.core.errors import BackendUnavailable
 from singleflight.core.reasons import EndReason, Loss
@@ -186,6 +187,7 @@ class EtcdLease:
         remembered, so an older token can be told it was superseded; and a copy of the ticket
         goes onto an hour's lease (the end record's), so a run whose every process died, its key
         lapsed, reads "expired" for that hour, not "unknown" (our own end takes the copy away)."""
+        fault.pause("pause-etcd-settle")
         if not self.keep_lease:
             with contextlib.suppress(BackendUnavailable, Refused):
                 self.keep_lease = self.cluster.grant(int(ENDED_TICKET_RETENTION))

@@ -8,7 +8,7 @@ import contextlib
 import os
 import time
 
-from singleflight.core import proc
+from singleflight.core import fault, proc
 from singleflight.core.const import CANCELLED, ENDED_TICKET_RETENTION, HELD, TYPE_CHECKING, WAITING
 from singleflight.core.errors import BackendUnavailable, NotHeld, UnknownLock, UnknownTicket
 from singleflight.core.reasons import EndReason
@@ -88,6 +88,7 @@ class EtcdTickets:
     ) -> tuple[Ticket | None, bool]:
         """``end`` once: (the ticket ended or None, whether that is the answer)."""
         found = ticket_of(self.mutex, ticket_id)
+        fault.pause("pause-etcd-end-read")
         if found is None:
             return None, True
         t, kv = found
