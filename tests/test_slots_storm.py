@@ -3,12 +3,17 @@ kills wrappers, holders and COMMANDs with -9 at random moments. Checked by the n
 checker (tests/test_nemesis.py), slot by slot: within a slot no two COMMANDs overlap and fences
 only rise; over the lock, never more than four COMMANDs at once and no fence issued twice.
 
+The nemesis faults one process of a run, never its wrapper and its holder both (as the campaign):
+with both killed nothing keeps the slot while COMMAND runs on. It did that now and then: the
+likely cause of "5 at once on 4 slots" in CI (the last time, two COMMANDs of one slot overlapped
+and both ran to their end, as an orphaned COMMAND does; a storm that killed both of a run on
+purpose showed "5 at once" in 3 runs of 3).
+
 A COMMAND's interval ends at its end line or, killed, when the campaign's watcher last found it
 alive (its pidfd not readable): certainly alive until then. The watcher sees a death only when
 it next looks, and under load that can be late enough for a successor's start to land in
-between (the likely cause, not shown, of "5 at once on 4 slots" twice in CI). Both counts are
-printed. Each COMMAND notes its pid and slot, then execs the campaign's COMMAND:
-one pid, so the watcher's step and the slot meet by pid.
+between. Both counts are printed. Each COMMAND notes its pid and slot, then execs the
+campaign's COMMAND: one pid, so the watcher's step and the slot meet by pid.
 """
 
 from __future__ import annotations
@@ -65,10 +70,12 @@ def _parent(pid: int) -> int | None:
     return ppid if ppid > 1 else None
 
 
-def _holder_pids(procs: Procs) -> list[int]:
+def _holders(procs: Procs) -> list[tuple[int, int]]:
+    """(pid, fence) of each holder ``pearing-cli status`` lists."""
     out = procs.run_text([PEARING_CLI, "status", "S", "--json"])
     locks = json.loads(out.stdout or "[]")
-    return [int(h["holder_pid"]) for h in (locks[0]["holders"] if locks else []) if h.get("holder_pid")]
+    held = locks[0]["holders"] if locks else []
+    return [(int(h["holder_pid"]), int(h["fence"])) for h in held if h.get("holder_pid") and h.get("fence")]
 
 
 def test_a_storm_with_kills_on_four_slots(backend: str, procs: Procs, work: Path) -> None:
@@ -89,6 +96,12 @@ def test_a_storm_with_kills_on_four_slots(backend: str, procs: Procs, work: Path
         ps.append(procs.pr(*flags, "--wait-seconds", "120", "--", "sh", "-c", command))
 
     kills: list[tuple[str, int]] = []
+    # The runs (by fence) whose wrapper or holder was killed: the other one is spared. SPEC's
+    # promise is for a fault of one process, as the campaign's (tests/test_nemesis.py): with both
+    # killed, nothing is left to keep the slot while COMMAND runs on, and the next run takes it
+    # (a storm that killed both of one run on purpose showed "5 at once" 3 times in 3; the random
+    # one did now and then, in CI). Fencing still holds then: tests/test_hardening.py.
+    faulted: set[int] = set()
     deadline = time.monotonic() + 180
     while (len(ps) < _CONTENDERS or any(p.poll() is None for p in ps)) and time.monotonic() < deadline:
         # A steady storm, as the campaign's rounds are: up to 12 runs alive, 40 in all.
@@ -97,19 +110,23 @@ def test_a_storm_with_kills_on_four_slots(backend: str, procs: Procs, work: Path
         time.sleep(rng.uniform(0.2, 0.6))
         kind = rng.choice(["wrapper", "holder", "command", "none"]) if len(kills) < _KILLS else "none"
         if kind == "wrapper":  # the pearing-run of a run whose COMMAND is running
-            victims = [p for s in watcher.live() if (p := _parent(s.pid))][:1]
+            found = [(p, s.fence) for s in watcher.live() if s.fence not in faulted and (p := _parent(s.pid))]
+            victims = found[:1]
         elif kind == "holder":
-            victims = [rng.choice(found)] if (found := _holder_pids(procs)) else []
+            found = [h for h in _holders(procs) if h[1] not in faulted]
+            victims = [rng.choice(found)] if found else []
         elif kind == "command":
-            victims = [rng.choice(live_steps).pid] if (live_steps := watcher.live()) else []
+            victims = [(rng.choice(live_steps).pid, 0)] if (live_steps := watcher.live()) else []
         else:
             victims = []
-        for pid in victims:
+        for pid, fence in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
                 kills.append((kind, pid))
             except ProcessLookupError:
-                pass
+                continue
+            if kind != "command":
+                faulted.add(fence)
     for p in ps:
         procs.finish(p, timeout=60)
     # Killed wrappers leave their holders to end their runs: every COMMAND goes in time.
