@@ -12,6 +12,7 @@ from helpers import PEARING_CLI, PEARING_GUARD, Gate, Procs, q, wait_for
 from test_hardening import intervals, logged, started
 
 from singleflight.core.const import ExitCode
+from singleflight.core.errors import BackendUnavailable
 
 
 def waiters(procs: Procs, job: str) -> list[dict[str, object]]:
@@ -173,3 +174,38 @@ def test_latest_runs_arriving_at_once_leave_exactly_one_pending(backend: str, pr
     assert procs.finish(holder).returncode == 0
     assert procs.finish(pending, timeout=60).returncode == 0
     assert len(intervals(log)) == 1
+
+
+class _Unreachable:
+    """A store out of reach as a holder acts on a cancel request: every read fails."""
+
+    def read(self, ticket_id: str) -> None:
+        raise BackendUnavailable("test://", "out of reach")
+
+    def update(self, ticket_id: str, change: object) -> None:
+        raise BackendUnavailable("test://", "out of reach")
+
+
+class _NotEnded:
+    """A holder's lease whose judged end could not be written (the store out of reach)."""
+
+    def __init__(self) -> None:
+        from singleflight.core.ticket import Ticket
+
+        self.ticket = Ticket(
+            ticket_id="t", request_uuid="r", lock_name="j", repo="default", identity="i", lease_seconds=3.0
+        )
+        self.ticket.superseded_by = "newcomer"
+
+    def end(self, state: str, reason: object, keep: object = None) -> bool:
+        return False
+
+
+def test_a_cancel_acted_on_with_the_store_out_of_reach_leaves_the_request_for_the_next_look() -> None:
+    """In-process, the rule alone: the holder's judged end did not happen and the store cannot be
+    read to clear the request. The holder goes on (None), it does not die of the error: the
+    request is judged again at its next look (before, the store's own end caught it)."""
+    from singleflight.rules import events
+
+    lease = _NotEnded()
+    assert events.act(_Unreachable(), lease, command_ended=lambda: False, keep=lambda: None) is None  # type: ignore[arg-type]

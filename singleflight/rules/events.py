@@ -20,8 +20,10 @@ judged end of a lease.
 
 from __future__ import annotations
 
+import contextlib
+
 from singleflight.core.const import DEFAULT_KILL_GRACE, EXPIRED, RELEASED, TYPE_CHECKING, WAITING
-from singleflight.core.errors import NotHeld
+from singleflight.core.errors import BackendUnavailable, NotHeld
 from singleflight.core.reasons import EndReason
 
 if TYPE_CHECKING:
@@ -170,8 +172,10 @@ def act(lk: LockOps, lease: Lease, *, command_ended: Callable[[], bool], keep: C
     if lease.end(EXPIRED, judge, keep):
         return lease.ticket.superseded_by
     # Not ended: a request that does not stand is cleared (a standing one the store could not
-    # act on now, lease lost or store out of reach, is left for the next look).
-    t = lk.read(lease.ticket.ticket_id)
-    if t is not None and t.live and t.superseded_by and judge(t) is None:
-        _mark(lk, t, None)
+    # act on now, lease lost or store out of reach, is left for the next look; so is the clearing
+    # when the store is out of reach).
+    with contextlib.suppress(BackendUnavailable):
+        t = lk.read(lease.ticket.ticket_id)
+        if t is not None and t.live and t.superseded_by and judge(t) is None:
+            _mark(lk, t, None)
     return None
