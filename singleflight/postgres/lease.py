@@ -279,8 +279,10 @@ def await_guards(lease: PgLease, keep: Callable[[], None] | None = None) -> bool
             return True
         if time.monotonic() >= lease._cut_off() or lease.lapsed:
             return False
+        if time.monotonic() >= lease.kept_at + lease.ttl / 3 and keep is not None:
+            keep()  # the holder's (a renewal keeps the lease too; ``PgLease.keep`` does not say so)
         if time.monotonic() >= lease.kept_at + lease.ttl / 3:
-            (keep or lease._keep)()
+            lease._keep()
         time.sleep(_GUARD_POLL)
     return False
 
