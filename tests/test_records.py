@@ -462,8 +462,12 @@ def test_a_request_record_whose_run_is_gone_is_pruned_a_day_later(procs: Procs, 
     second = cli_json(procs, "acquire-lock", "J", "--request-uuid", held, *flags)
     requests = store_dir(lock_dir, "J") / "requests"
     assert sorted(p.name for p in requests.iterdir()) == sorted([f"{gone}.json", f"{held}.json"])
+    # A record full of garbage, first in the listing: left for its own request's run to name, and
+    # the rest tidied all the same (it used to stop the lock's whole housekeeping).
+    garbage = requests / "00000000-0000-4000-8000-000000000000.json"
+    garbage.write_bytes(b"\0garbage{")
     with LockDir(str(lock_dir)) as ld, ld.lock_store("default", "J") as s:
         assert lease.prune_requests(s, time.time() + REQUEST_RETENTION - 60) == 0  # not yet a day
         assert lease.prune_requests(s, time.time() + REQUEST_RETENTION + 60) == 1
-    assert [p.name for p in requests.iterdir()] == [f"{held}.json"]
+    assert sorted(p.name for p in requests.iterdir()) == sorted([garbage.name, f"{held}.json"])
     cli_json(procs, "release-lock-ticket", "J", second["ticket_id"])

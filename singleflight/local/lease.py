@@ -20,7 +20,7 @@ from singleflight.core.const import (
     TYPE_CHECKING,
     WAITING,
 )
-from singleflight.core.errors import NotHeld, UnknownTicket, Vanished
+from singleflight.core.errors import CorruptRecord, NotHeld, UnknownTicket, Vanished
 from singleflight.core.reasons import EndReason
 from singleflight.core.ticket import Ticket
 from singleflight.core.tokens import mint_token, token_hash
@@ -145,7 +145,10 @@ def prune_requests(store: LockStore, now: float) -> int:
     for name in d.listdir():
         if not name.endswith(".json") or name.startswith("."):
             continue
-        rec = store.read_request(name[:-5])
+        try:
+            rec = store.read_request(name[:-5])
+        except CorruptRecord:
+            continue  # left as it is, for its request's next run to name (74): not the others' tidying
         if rec is None:
             continue
         if rec.active:
