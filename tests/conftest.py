@@ -119,17 +119,19 @@ def signals_left_as_found() -> Iterator[None]:
         pytest.fail(f"the test left the worker's signals changed: {', '.join(changed)}")
 
 
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A real 3-member etcd cluster on loopback, for the whole session.
-
-    Skipped where etcd is not installed, except under CI (CI=true), where
-    .ci/run installs Debian's etcd-server and a skip would hide the suite.
-    """
+def require_etcd() -> None:
+    """Skip where etcd is not installed, except under CI (CI=true), where .ci/run installs
+    Debian's etcd-server and a skip would hide the suite."""
     if ETCD is None:
         if os.environ.get("CI") == "true":
             pytest.fail("etcd is not installed but CI=true: .ci/run must install etcd-server")
         pytest.skip("etcd not installed (apt-get install etcd-server)")
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real 3-member etcd cluster on loopback, for the whole session (``require_etcd``)."""
+    require_etcd()
     cluster = Cluster(tmp_path_factory.mktemp("etcd"))
     cluster.start_all()
     try:

@@ -4,7 +4,6 @@ that did not start failed every test of its worker for that store."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
@@ -12,14 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_postgres
-from etcd_cluster import ETCD, Cluster
+from conftest import require_etcd, require_postgres
+from etcd_cluster import Cluster
 from pg_cluster import PgCluster
 
 
 def _occupy(port: int) -> socket.socket:
-    s = socket.create_server(("127.0.0.1", port))
-    return s
+    return socket.create_server(("127.0.0.1", port))
 
 
 @pytest.fixture
@@ -31,10 +29,7 @@ def taken() -> Iterator[list[socket.socket]]:
 
 
 def test_an_etcd_cluster_whose_port_was_taken_starts_on_fresh_ones(tmp_path: Path, taken: list[socket.socket]) -> None:
-    if ETCD is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("etcd is not installed but CI=true")
-        pytest.skip("etcd not installed")
+    require_etcd()
     cluster = Cluster(tmp_path)
     first = cluster.members[0].client
     taken.append(_occupy(first))

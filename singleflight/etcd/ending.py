@@ -71,6 +71,18 @@ def end(
     return end_judged(self, state, reason, keep or self._keepalive, guarded_every(self.ticket.lease_seconds))
 
 
+def _end_ops(self: _Held, body: bytes, *, leave: bool) -> list[dict[str, Any]]:
+    """An end's writes: the end record (kept an hour), the newest fence, the key (gone with
+    ``leave``, else kept, ended, on our lease) and the settled copy gone (the end record says it now)."""
+    m, tid = self.mutex, self.ticket.ticket_id
+    return [
+        op_put(m.e + tid, body, self.keep_lease or self.lease),
+        op_put(m.base + "last", str(self.fence).encode()),
+        op_delete(self.key) if leave else op_put(self.key, body, self.lease),
+        op_delete(m.t + tid),
+    ]
+
+
 def _end(self: _Held, state: str, reason: str) -> bool:
     """The token dies, after the guarded commands of its ticket (``pearing-guard exec``, each a
     key of its own, on a lease of its --max-seconds) have ended: expiry and release wait for
@@ -89,12 +101,7 @@ def _end(self: _Held, state: str, reason: str) -> bool:
         for _ in range(_END_TRIES):
             t.end(state, reason)
             body = self._body()
-            ops = [
-                op_put(self.mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
-                op_put(self.mutex.base + "last", str(self.fence).encode()),
-                op_delete(self.key) if state == RELEASED else op_put(self.key, body, self.lease),
-                op_delete(self.mutex.t + t.ticket_id),  # the settled copy: the end record says it now
-            ]
+            ops = _end_ops(self, body, leave=state == RELEASED)
             mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", self.mod)]
             try:
                 r = self.cluster.txn(
@@ -165,12 +172,7 @@ def end_judged(
             return False
         t.end(state, why)
         body = self._body()
-        ops = [
-            op_put(mutex.e + t.ticket_id, body, self.keep_lease or self.lease),
-            op_put(mutex.base + "last", str(self.fence).encode()),
-            op_put(self.key, body, self.lease),  # the key stays, ended: the lock is ours until COMMAND is dead
-            op_delete(mutex.t + t.ticket_id),  # the settled copy: the end record says it now
-        ]
+        ops = _end_ops(self, body, leave=False)  # the key stays: the lock is ours until COMMAND is dead
         mine = [cmp(self.key, "CREATE", "EQUAL", self.fence), cmp(self.key, "MOD", "EQUAL", kv["mod_revision"])]
         try:
             r = cluster.txn([*mine, cmp(mutex.g, "CREATE", "LESS", at + 1, prefix=True)], ops, [])
